@@ -1,0 +1,41 @@
+"""Synthetic checkpoints for core tests: a byte-level token table and random pages."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_kvdisk.format import PageLayout, Reason
+from vllm_kvdisk.keys import Fingerprint, Grid, TokenTable
+from vllm_kvdisk.planner import Planner, Prompt, SavePlan, encode_plan
+from vllm_kvdisk.store import Store
+
+BLOCK = 16
+LAYOUT = PageLayout("test:LBHNC", BLOCK, 2, (2, BLOCK, 8), "float32")
+FP = Fingerprint("tiny", "main", "float32", LAYOUT.name, BLOCK, 1, 0)
+GRID = Grid(64, 8, BLOCK)
+
+
+def byte_table() -> TokenTable:
+    """256 single bytes plus multi-byte pieces, including ones that are not valid UTF-8."""
+    extra = [b"ab", "é".encode(), "日本".encode(), b"\xe2\x82", b"\xac", b" the"]
+    return TokenTable([bytes([i]) for i in range(256)] + extra)
+
+
+def pages(rng: np.random.Generator, plan: SavePlan, layout: PageLayout = LAYOUT) -> list[bytes]:
+    nb = (plan.tokens - plan.parent_tokens) // layout.block_size
+    return [rng.random((nb, *layout.page_shape), dtype=np.float32).tobytes()
+            for _ in range(layout.num_layers)]
+
+
+def save(store: Store, ns: str, prompt: Prompt, length: int, rng: np.random.Generator,
+         reason: Reason = Reason.COLD, now: int = 1_000_000, tool_map=()) -> tuple[SavePlan, list[bytes]]:
+    planner = Planner(store.index, GRID, 1)
+    plan = planner.plan_save(ns, prompt, length, reason)
+    if plan is None:
+        raise ValueError(f"nothing to save at {length}")
+    layers = pages(rng, plan)
+    enc = encode_plan(plan, text=prompt.text_upto(length), ids=prompt.ids, layers=layers,
+                      layout=LAYOUT, fingerprint=FP.digest(), kv_dtype="float32",
+                      context_size=8192, now=now, tool_map=tool_map)
+    store.write(ns, plan.sha1, enc)
+    return plan, layers

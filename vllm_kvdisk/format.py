@@ -1,0 +1,439 @@
+"""The ``.kv`` checkpoint file codec (spec: docs/FORMAT.md).
+
+Invariants:
+* Every integer is little-endian; every length is checked against a stated maximum and
+  against the file size *before* anything is allocated for it.
+* A file either parses completely and consistently or raises :class:`FormatError`
+  (corrupt, truncated, hostile) / :class:`UnsupportedFile` (a version or feature this
+  build does not read). Callers turn both into a cache miss; nothing else escapes.
+* Page data are opaque: whole blocks, layer by layer, each layer guarded by its own
+  xxh3-64 so a restore can verify and scatter one layer while the next is read.
+* No pickle, no eval: only ``struct`` and raw bytes.
+
+Pure: standard library, numpy-free, xxhash for checksums.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field, replace
+from enum import IntEnum
+from typing import Sequence
+
+import xxhash
+
+FORMAT_VERSION = 1
+MAGIC = b"KVC"
+PAYLOAD_MAGIC = b"KVDP"
+PAYLOAD_VERSION = 1
+KTM_MAGIC = b"KTM"
+KTM_VERSION = 1
+PAGE_ALIGN = 4096
+
+MAX_TOKENS = 1 << 24
+MAX_TEXT_BYTES = 1 << 30
+MAX_LAYERS = 1024
+MAX_PAGE_BYTES = 1 << 28
+MAX_PAGE_DIMS = 6
+MAX_KTM_ENTRIES = 1 << 20
+MAX_TOOL_ID_BYTES = 1024
+MAX_TOOL_TEXT_BYTES = 1 << 20
+
+FLAG_TOOL_MAP = 1 << 0
+FLAG_DELTA = 1 << 1
+FLAG_LOGITS = 1 << 2  # reserved: vLLM always recomputes the last prompt token
+KNOWN_FLAGS = FLAG_TOOL_MAP | FLAG_DELTA | FLAG_LOGITS
+
+HEADER = struct.Struct("<3sBBBHIIQQQQ")  # 48 bytes
+TEXT_LEN = struct.Struct("<I")
+# magic, version, fixed length, fingerprint, parent sha1, parent tokens, block size,
+# first block, blocks, layers, page bytes, tp rank, tp size, page dtype, page ndim,
+# reserved, 6 page dims, layout name, token digest, KTM checksum
+PAYLOAD_FIXED = struct.Struct("<4sHH32s20sIIIIIQHHBBH6I24sQQ")
+CHECKSUM = struct.Struct("<Q")
+KTM_HEAD = struct.Struct("<3sBI")
+KTM_ENTRY = struct.Struct("<II")
+HEADER_FIELD_HITS = 12
+HEADER_FIELD_LAST_USED = 32
+if HEADER.size != 48 or PAYLOAD_FIXED.size != 160:  # the spec pins both sizes
+    raise RuntimeError("struct layout drifted from docs/FORMAT.md")
+
+
+class FormatError(ValueError):
+    """The file is corrupt, truncated, foreign or hostile."""
+
+
+class UnsupportedFile(FormatError):
+    """A well-formed file of a version or feature this build does not read."""
+
+
+class Reason(IntEnum):
+    COLD = 1
+    CONTINUED = 2
+    EVICT = 3
+    SHUTDOWN = 4
+
+
+DTYPES: dict[str, tuple[int, int]] = {  # name -> (code, bytes per element)
+    "float32": (1, 4),
+    "float16": (2, 2),
+    "bfloat16": (3, 2),
+    "fp8_e4m3": (4, 1),
+    "fp8_e5m2": (5, 1),
+    "uint8": (6, 1),
+}
+DTYPE_NAMES = {code: name for name, (code, _) in DTYPES.items()}
+
+
+def dtype_code(name: str) -> int:
+    try:
+        return DTYPES[name][0]
+    except KeyError:
+        raise UnsupportedFile(f"KV dtype {name!r} has no code in format v{FORMAT_VERSION}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    kv_dtype: int
+    reason: Reason
+    flags: int
+    tokens: int
+    hits: int
+    context_size: int
+    created: int
+    last_used: int
+    payload_bytes: int
+    version: int = FORMAT_VERSION
+
+    def pack(self) -> bytes:
+        return HEADER.pack(MAGIC, self.version, self.kv_dtype, int(self.reason), self.flags,
+                           self.tokens, self.hits, self.context_size, self.created,
+                           self.last_used, self.payload_bytes)
+
+    @classmethod
+    def unpack(cls, buf: bytes) -> Header:
+        if len(buf) < HEADER.size:
+            raise FormatError(f"truncated header: {len(buf)} of {HEADER.size} bytes")
+        (magic, version, kv_dtype, reason, flags, tokens, hits, ctx, created, last_used,
+         payload) = HEADER.unpack_from(buf)
+        if magic != MAGIC:
+            raise FormatError(f"bad magic {magic!r}: not a KVC file")
+        if version != FORMAT_VERSION:
+            raise UnsupportedFile(f"format version {version}, this build reads {FORMAT_VERSION}")
+        if kv_dtype not in DTYPE_NAMES:
+            raise FormatError(f"unknown KV dtype code {kv_dtype}")
+        if reason not in Reason._value2member_map_:
+            raise FormatError(f"unknown save reason {reason}")
+        if flags & ~KNOWN_FLAGS:
+            raise FormatError(f"unknown flag bits {flags:#06x}")
+        if flags & FLAG_LOGITS:
+            raise UnsupportedFile("file carries logits (flag bit 2); this build never writes them")
+        if not 1 <= tokens <= MAX_TOKENS:
+            raise FormatError(f"token count {tokens} outside 1..{MAX_TOKENS}")
+        return cls(kv_dtype, Reason(reason), flags, tokens, hits, ctx, created, last_used,
+                   payload, version)
+
+
+@dataclass(frozen=True, slots=True)
+class PageLayout:
+    """How one block of one layer looks in the engine: copied as an opaque page."""
+
+    name: str  # backend/layout, e.g. "cpu:LBHNC"
+    block_size: int
+    num_layers: int
+    page_shape: tuple[int, ...]
+    dtype: str
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @property
+    def page_bytes(self) -> int:
+        n = DTYPES[self.dtype][1]
+        for dim in self.page_shape:
+            n *= dim
+        return n
+
+    def validate(self) -> None:
+        if not self.name or len(self.name.encode()) > 24 or not self.name.isascii():
+            raise FormatError(f"layout name {self.name!r} must be 1..24 ASCII bytes")
+        if not 1 <= self.block_size <= MAX_TOKENS or not 1 <= self.num_layers <= MAX_LAYERS:
+            raise FormatError(f"block size {self.block_size} / layers {self.num_layers} out of range")
+        if not 1 <= len(self.page_shape) <= MAX_PAGE_DIMS or min(self.page_shape) < 1:
+            raise FormatError(f"bad page shape {self.page_shape}")
+        if self.dtype not in DTYPES:
+            raise FormatError(f"unknown page dtype {self.dtype!r}")
+        if not 1 <= self.page_bytes <= MAX_PAGE_BYTES:
+            raise FormatError(f"page of {self.page_bytes} bytes outside 1..{MAX_PAGE_BYTES}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise FormatError(f"tp rank {self.tp_rank} not below tp size {self.tp_size}")
+
+
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """The payload's own header: what the pages are and what they extend."""
+
+    fingerprint: bytes  # 32-byte namespace digest
+    parent_sha1: str | None
+    parent_tokens: int
+    first_block: int
+    num_blocks: int
+    layout: PageLayout
+    token_digest: int
+    ktm_checksum: int = 0
+    checksums: tuple[int, ...] = field(default=())  # [head+tokens, layer 0, layer 1, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Offsets:
+    """Absolute byte offsets of every section, derived from header + payload header."""
+
+    text: int
+    payload: int
+    tokens: int
+    pages: int
+    layer_bytes: int
+    ktm: int
+    total: int
+
+    def layer(self, index: int) -> int:
+        return self.pages + index * self.layer_bytes
+
+
+def compute_offsets(text_len: int, tokens: int, layout: PageLayout, num_blocks: int,
+                    num_layers: int, ktm_len: int) -> Offsets:
+    text = HEADER.size + TEXT_LEN.size
+    payload = text + text_len
+    tokens_at = payload + PAYLOAD_FIXED.size + CHECKSUM.size * (num_layers + 1)
+    pages = -(-(tokens_at + 4 * tokens) // PAGE_ALIGN) * PAGE_ALIGN
+    layer_bytes = num_blocks * layout.page_bytes
+    ktm = pages + layer_bytes * num_layers
+    return Offsets(text, payload, tokens_at, pages, layer_bytes, ktm, ktm + ktm_len)
+
+
+def _pack_payload_fixed(p: Payload) -> bytes:
+    lay = p.layout
+    shape = tuple(lay.page_shape) + (0,) * (MAX_PAGE_DIMS - len(lay.page_shape))
+    parent = bytes.fromhex(p.parent_sha1) if p.parent_sha1 else bytes(20)
+    return PAYLOAD_FIXED.pack(
+        PAYLOAD_MAGIC, PAYLOAD_VERSION, PAYLOAD_FIXED.size, p.fingerprint, parent,
+        p.parent_tokens, lay.block_size, p.first_block, p.num_blocks, lay.num_layers,
+        lay.page_bytes, lay.tp_rank, lay.tp_size, DTYPES[lay.dtype][0], len(lay.page_shape),
+        0, *shape, lay.name.encode().ljust(24, b"\0"), p.token_digest, p.ktm_checksum)
+
+
+def unpack_payload_fixed(buf: bytes, header: Header) -> Payload:
+    if len(buf) < PAYLOAD_FIXED.size:
+        raise FormatError("truncated payload header")
+    (magic, version, fixed_len, fingerprint, parent, parent_tokens, block_size, first_block,
+     num_blocks, num_layers, page_bytes, tp_rank, tp_size, dtype, ndim, reserved, *rest
+     ) = PAYLOAD_FIXED.unpack_from(buf)
+    shape_all, name, digest, ktm_sum = rest[:6], rest[6], rest[7], rest[8]
+    if magic != PAYLOAD_MAGIC:
+        raise FormatError(f"bad payload magic {magic!r}")
+    if version != PAYLOAD_VERSION or fixed_len != PAYLOAD_FIXED.size:
+        raise UnsupportedFile(f"payload version {version}/{fixed_len}")
+    if reserved or not 1 <= ndim <= MAX_PAGE_DIMS or any(shape_all[ndim:]):
+        raise FormatError("bad page shape fields")
+    if dtype not in DTYPE_NAMES:
+        raise FormatError(f"unknown page dtype code {dtype}")
+    name_bytes = name.rstrip(b"\0")
+    if b"\0" in name_bytes or not name_bytes.isascii():
+        raise FormatError("bad layout name")
+    layout = PageLayout(name_bytes.decode(), block_size, num_layers, tuple(shape_all[:ndim]),
+                        DTYPE_NAMES[dtype], tp_rank, tp_size)
+    layout.validate()
+    if layout.page_bytes != page_bytes:
+        raise FormatError(f"page bytes {page_bytes} != shape x dtype {layout.page_bytes}")
+    has_parent = parent != bytes(20)
+    if has_parent != bool(header.flags & FLAG_DELTA):
+        raise FormatError("delta flag and parent field disagree")
+    if has_parent != (parent_tokens > 0) or parent_tokens >= header.tokens:
+        raise FormatError(f"parent token count {parent_tokens} inconsistent")
+    if parent_tokens % block_size or header.tokens % block_size:
+        raise FormatError("checkpoint boundaries are not block-aligned")
+    if first_block * block_size != parent_tokens:
+        raise FormatError("first block does not start at the parent's end")
+    if (first_block + num_blocks) * block_size != header.tokens:
+        raise FormatError("owned blocks do not end at the token count")
+    return Payload(fingerprint, parent.hex() if has_parent else None, parent_tokens,
+                   first_block, num_blocks, layout, digest, ktm_sum)
+
+
+def encode_tool_map(entries: Sequence[tuple[str, str]]) -> bytes:
+    """The seed's KTM section: magic, version, count, then (id len, text len, id, text)."""
+    if len(entries) > MAX_KTM_ENTRIES:
+        raise FormatError(f"{len(entries)} tool-map entries > {MAX_KTM_ENTRIES}")
+    parts = [KTM_HEAD.pack(KTM_MAGIC, KTM_VERSION, len(entries))]
+    for tool_id, text in entries:
+        raw_id, raw_text = tool_id.encode(), text.encode()
+        if not 1 <= len(raw_id) <= MAX_TOOL_ID_BYTES or len(raw_text) > MAX_TOOL_TEXT_BYTES:
+            raise FormatError(f"tool-map entry {tool_id[:40]!r} exceeds the size limits")
+        parts += [KTM_ENTRY.pack(len(raw_id), len(raw_text)), raw_id, raw_text]
+    return b"".join(parts)
+
+
+def decode_tool_map(buf: bytes) -> list[tuple[str, str]]:
+    if len(buf) < KTM_HEAD.size:
+        raise FormatError("truncated tool map")
+    magic, version, count = KTM_HEAD.unpack_from(buf)
+    if magic != KTM_MAGIC or version != KTM_VERSION:
+        raise FormatError(f"bad tool map magic/version {magic!r}/{version}")
+    if count > MAX_KTM_ENTRIES:
+        raise FormatError(f"tool map claims {count} entries > {MAX_KTM_ENTRIES}")
+    pos, out = KTM_HEAD.size, []
+    for _ in range(count):
+        if pos + KTM_ENTRY.size > len(buf):
+            raise FormatError("truncated tool map entry")
+        id_len, text_len = KTM_ENTRY.unpack_from(buf, pos)
+        pos += KTM_ENTRY.size
+        if not 1 <= id_len <= MAX_TOOL_ID_BYTES or text_len > MAX_TOOL_TEXT_BYTES:
+            raise FormatError("tool map entry exceeds the size limits")
+        if pos + id_len + text_len > len(buf):
+            raise FormatError("truncated tool map entry")
+        try:
+            tool_id = buf[pos:pos + id_len].decode()
+            text = buf[pos + id_len:pos + id_len + text_len].decode()
+        except UnicodeDecodeError:
+            raise FormatError("tool map entry is not UTF-8") from None
+        out.append((tool_id, text))
+        pos += id_len + text_len
+    if pos != len(buf):
+        raise FormatError(f"{len(buf) - pos} trailing bytes after the tool map")
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """A checkpoint ready for ``writev``: buffers in file order and its final size."""
+
+    buffers: list[bytes | memoryview]
+    size: int
+    header: Header
+    payload: Payload
+    offsets: Offsets
+
+
+def encode_checkpoint(*, text: bytes, tokens: bytes, layers: Sequence[bytes | memoryview],
+                      payload: Payload, reason: Reason, kv_dtype: str, context_size: int,
+                      now: int, tool_map: Sequence[tuple[str, str]] = ()) -> Encoded:
+    """Lay out one checkpoint. ``tokens`` is the u32 LE token ids of the whole prefix."""
+    lay = payload.layout
+    lay.validate()
+    n_tokens = len(tokens) // 4
+    if len(tokens) % 4 or not 1 <= n_tokens <= MAX_TOKENS or len(text) > MAX_TEXT_BYTES:
+        raise FormatError("token ids or text outside the limits")
+    if len(layers) != lay.num_layers:
+        raise FormatError(f"{len(layers)} layer buffers for {lay.num_layers} layers")
+    ktm = encode_tool_map(tool_map) if tool_map else b""
+    offsets = compute_offsets(len(text), n_tokens, lay, payload.num_blocks, lay.num_layers, len(ktm))
+    for buf in layers:
+        if memoryview(buf).nbytes != offsets.layer_bytes:
+            raise FormatError(f"layer buffer of {memoryview(buf).nbytes} bytes, "
+                              f"expected {offsets.layer_bytes}")
+    payload = replace(payload, ktm_checksum=xxhash.xxh3_64_intdigest(ktm) if ktm else 0)
+    fixed = _pack_payload_fixed(payload)
+    sums = [xxhash.xxh3_64_intdigest(fixed + tokens)]
+    sums += [xxhash.xxh3_64_intdigest(buf) for buf in layers]
+    payload = replace(payload, checksums=tuple(sums))
+    flags = (FLAG_TOOL_MAP if ktm else 0) | (FLAG_DELTA if payload.parent_sha1 else 0)
+    header = Header(dtype_code(kv_dtype), reason, flags, n_tokens, 0, context_size, now, now,
+                    offsets.ktm - offsets.payload)
+    pad = bytes(offsets.pages - offsets.tokens - len(tokens))
+    buffers: list[bytes | memoryview] = [header.pack(), TEXT_LEN.pack(len(text)), text, fixed,
+                                         b"".join(CHECKSUM.pack(s) for s in sums), tokens, pad]
+    buffers += list(layers)
+    if ktm:
+        buffers.append(ktm)
+    return Encoded(buffers, offsets.total, header, payload, offsets)
+
+
+@dataclass(frozen=True, slots=True)
+class Meta:
+    """Everything about a checkpoint file except its text, token ids and pages."""
+
+    header: Header
+    payload: Payload
+    offsets: Offsets
+    text_len: int
+
+
+def _pread_exact(fd: int, size: int, offset: int) -> bytes:
+    data = os.pread(fd, size, offset)
+    if len(data) != size:
+        raise FormatError(f"truncated file: wanted {size} bytes at {offset}, got {len(data)}")
+    return data
+
+
+def read_meta(fd: int, file_size: int) -> Meta:
+    """Parse and cross-check header, payload header and section sizes; no payload I/O."""
+    first = os.pread(fd, PAGE_ALIGN, 0)
+    header = Header.unpack(first)
+    if len(first) < HEADER.size + TEXT_LEN.size:
+        raise FormatError("truncated before the text length")
+    (text_len,) = TEXT_LEN.unpack_from(first, HEADER.size)
+    if text_len > MAX_TEXT_BYTES or HEADER.size + TEXT_LEN.size + text_len > file_size:
+        raise FormatError(f"text length {text_len} exceeds the file or the limit")
+    payload_at = HEADER.size + TEXT_LEN.size + text_len
+    fixed_end = payload_at + PAYLOAD_FIXED.size
+    if fixed_end <= len(first):
+        fixed = first[payload_at:fixed_end]
+    else:
+        fixed = _pread_exact(fd, PAYLOAD_FIXED.size, payload_at)
+    payload = unpack_payload_fixed(fixed, header)
+    sums_len = CHECKSUM.size * (payload.layout.num_layers + 1)
+    sums_raw = _pread_exact(fd, sums_len, fixed_end)
+    sums = tuple(CHECKSUM.unpack_from(sums_raw, 8 * i)[0] for i in range(payload.layout.num_layers + 1))
+    payload = replace(payload, checksums=sums)
+    offsets = compute_offsets(text_len, header.tokens, payload.layout, payload.num_blocks,
+                              payload.layout.num_layers, 0)
+    if offsets.ktm - offsets.payload != header.payload_bytes:
+        raise FormatError(f"payload bytes {header.payload_bytes} != layout's "
+                          f"{offsets.ktm - offsets.payload}")
+    ktm_len = file_size - offsets.ktm
+    if bool(header.flags & FLAG_TOOL_MAP) != (ktm_len > 0) or ktm_len < 0:
+        raise FormatError(f"file size {file_size} does not match its sections")
+    if ktm_len:
+        offsets = compute_offsets(text_len, header.tokens, payload.layout, payload.num_blocks,
+                                  payload.layout.num_layers, ktm_len)
+    return Meta(header, payload, offsets, text_len)
+
+
+def read_text(fd: int, meta: Meta) -> bytes:
+    return _pread_exact(fd, meta.text_len, meta.offsets.text)
+
+
+def read_tokens(fd: int, meta: Meta) -> bytes:
+    """Token ids (u32 LE) after checking the head+tokens checksum."""
+    head_at = meta.offsets.payload
+    raw = _pread_exact(fd, meta.offsets.tokens - head_at + 4 * meta.header.tokens, head_at)
+    fixed = raw[:PAYLOAD_FIXED.size]
+    tokens = raw[meta.offsets.tokens - head_at:]
+    if xxhash.xxh3_64_intdigest(fixed + tokens) != meta.payload.checksums[0]:
+        raise FormatError("checksum mismatch in payload header or token ids")
+    return tokens
+
+
+def read_layer_into(fd: int, meta: Meta, layer: int, out: memoryview) -> None:
+    """Read one layer's pages into ``out`` (exactly layer_bytes) and verify its checksum."""
+    want = meta.offsets.layer_bytes
+    if out.nbytes != want:
+        raise ValueError(f"buffer of {out.nbytes} bytes for a layer of {want}")
+    at, done = meta.offsets.layer(layer), 0
+    while done < want:
+        got = os.preadv(fd, [out[done:]], at + done)
+        if got <= 0:
+            raise FormatError(f"truncated file in layer {layer}")
+        done += got
+    if xxhash.xxh3_64_intdigest(out) != meta.payload.checksums[layer + 1]:
+        raise FormatError(f"checksum mismatch in layer {layer}")
+
+
+def read_tool_map(fd: int, meta: Meta) -> list[tuple[str, str]]:
+    size = meta.offsets.total - meta.offsets.ktm
+    if not size:
+        return []
+    raw = _pread_exact(fd, size, meta.offsets.ktm)
+    if xxhash.xxh3_64_intdigest(raw) != meta.payload.ktm_checksum:
+        raise FormatError("checksum mismatch in the tool map")
+    return decode_tool_map(raw)

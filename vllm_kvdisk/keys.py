@@ -1,0 +1,170 @@
+"""Keys and checkpoint positions.
+
+* The rendered text of ``tokens[0:L]`` is the concatenation of each token's bytes, from a
+  token -> bytes table built once from the tokenizer. It is raw bytes: a prefix may end in
+  the middle of a UTF-8 character, so it is hashed and stored as bytes, never re-encoded.
+* The key of a checkpoint is the hex SHA1 of that text; its file is ``<sha1>.kv``.
+* Checkpoints sit only on a fixed grid: ``L_k = align_down(k * align - trim, block)``.
+  Every save and every lookup uses the same grid, so the text of a prefix computed from a
+  later, longer prompt hashes to the same key.
+* A namespace isolates everything that makes KV pages incompatible or private: the model
+  and its revision, KV dtype, page layout, block size, TP shape, format version, the LoRA
+  adapter and the cache salt. Two namespaces never share a file.
+
+Pure: standard library, numpy and xxhash only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import numpy as np
+import xxhash
+
+from vllm_kvdisk.format import FORMAT_VERSION
+
+
+def align_down(value: int, multiple: int) -> int:
+    return (value // multiple) * multiple
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    """The positions where checkpoints may exist, in tokens."""
+
+    align: int
+    trim: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.align < 1 or self.block_size < 1 or not 0 <= self.trim < self.align:
+            raise ValueError(f"invalid checkpoint grid {self}")
+
+    def position(self, k: int) -> int:
+        return align_down(k * self.align - self.trim, self.block_size)
+
+    def positions_upto(self, limit: int) -> list[int]:
+        """Distinct, increasing, positive grid positions <= limit."""
+        out: list[int] = []
+        k = 1
+        while True:
+            pos = self.position(k)
+            if pos > limit:
+                return out
+            if pos > 0 and (not out or pos != out[-1]):
+                out.append(pos)
+            k += 1
+
+    def floor(self, limit: int) -> int:
+        """The deepest grid position <= limit (0 if none)."""
+        positions = self.positions_upto(limit)
+        return positions[-1] if positions else 0
+
+
+class TokenTable:
+    """token id -> exact bytes, flattened so a prompt renders without a Python loop."""
+
+    __slots__ = ("_blob", "_starts", "_lengths")
+
+    def __init__(self, pieces: Sequence[bytes]):
+        lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
+        self._lengths = lengths
+        self._starts = np.zeros(len(pieces), dtype=np.int64)
+        if len(pieces):
+            np.cumsum(lengths[:-1], out=self._starts[1:])
+        self._blob = np.frombuffer(b"".join(pieces), dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def piece(self, token: int) -> bytes:
+        start = int(self._starts[token])
+        return self._blob[start : start + int(self._lengths[token])].tobytes()
+
+    def render(self, tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
+        """Text of ``tokens`` and the byte offset where each token ends."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= len(self._lengths)):
+            raise ValueError("token id outside the tokenizer's vocabulary")
+        lengths = self._lengths[tokens]
+        ends = np.cumsum(lengths)
+        total = int(ends[-1]) if tokens.size else 0
+        if total == 0:
+            return b"", ends
+        # Gather variable-length pieces: index = start of its token + offset inside it.
+        shift = self._starts[tokens] - (ends - lengths)
+        index = np.arange(total, dtype=np.int64) + np.repeat(shift, lengths)
+        return self._blob[index].tobytes(), ends
+
+
+def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    if isinstance(tokens, np.ndarray):
+        return tokens.astype(np.uint32, copy=False)
+    return np.array(tokens, dtype=np.uint32)
+
+
+def token_digest(tokens: np.ndarray) -> int:
+    """xxh3-64 of token ids as little-endian u32: the identity check beside the text key."""
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(tokens, dtype="<u4").tobytes())
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixKey:
+    tokens: int  # L
+    sha1: str
+    text_end: int  # byte length of the text of tokens[0:L]
+
+
+def prefix_keys(text: bytes, token_ends: np.ndarray, positions: Sequence[int]) -> list[PrefixKey]:
+    """SHA1 of the text of every prefix in ``positions`` in one pass over the text."""
+    out: list[PrefixKey] = []
+    sha = hashlib.sha1()
+    done = 0
+    for pos in positions:
+        end = int(token_ends[pos - 1])
+        sha.update(text[done:end])
+        done = end
+        out.append(PrefixKey(pos, sha.copy().hexdigest(), end))
+    return out
+
+
+def text_sha1(text: bytes) -> str:
+    return hashlib.sha1(text).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Fingerprint:
+    """What must be equal for KV pages to be interchangeable (plus privacy scopes)."""
+
+    model: str
+    revision: str
+    kv_dtype: str
+    layout: str
+    block_size: int
+    tp_size: int
+    tp_rank: int
+    lora: str = ""
+    # Only the salt's digest is kept: the salt itself is a secret of its tenant.
+    salt_digest: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def canonical(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    def digest(self) -> bytes:
+        return hashlib.sha256(self.canonical()).digest()
+
+    def dirname(self) -> str:
+        return self.digest().hex()[:16]
+
+    def describe(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def salt_digest(cache_salt: str | None) -> str:
+    if not cache_salt:
+        return ""
+    return hashlib.sha256(b"kvdisk-salt\0" + cache_salt.encode()).hexdigest()[:32]
