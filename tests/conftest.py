@@ -1,4 +1,29 @@
+"""Shared fixtures. Engine tests run a real vLLM (CPU build) on a tiny local model."""
+
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+# Keep vLLM's caches and scratch files inside the test run, and its KV cache small.
+_SCRATCH = tempfile.mkdtemp(prefix="kvdisk-tests-")
+os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(_SCRATCH, "vllm-cache"))
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    from vllm_kvdisk.tinymodel import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0))
+
+
+@pytest.fixture(scope="session")
+def other_model(tmp_path_factory):
+    from vllm_kvdisk.tinymodel import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "other", seed=1))

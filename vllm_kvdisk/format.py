@@ -240,6 +240,8 @@ def unpack_payload_fixed(buf: bytes, header: Header) -> Payload:
     name_bytes = name.rstrip(b"\0")
     if b"\0" in name_bytes or not name_bytes.isascii():
         raise FormatError("bad layout name")
+    if dtype != header.kv_dtype:
+        raise FormatError(f"header KV dtype {header.kv_dtype} != page dtype {dtype}")
     layout = PageLayout(name_bytes.decode(), block_size, num_layers, tuple(shape_all[:ndim]),
                         DTYPE_NAMES[dtype], tp_rank, tp_size)
     layout.validate()

@@ -84,6 +84,12 @@ class Index:
         self._pending: dict[Key, Entry] = {}
         self.total_bytes = 0
 
+    def clear(self) -> None:
+        """Forget everything (the same object stays shared with planners)."""
+        for table in (self._entries, self._children, self._by_sha1, self._pending):
+            table.clear()
+        self.total_bytes = 0
+
     # -- membership -------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._entries)

@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -86,6 +87,9 @@ class Store:
         # they cannot parse are only listed in ``rejected``.
         self.readonly = readonly
         self.rejected: list[tuple[str, str, str]] = []
+        # Guards the index: I/O threads of one process write, evict and quarantine at once.
+        # File bytes are written outside it; only index changes and deletions hold it.
+        self._mutex = threading.RLock()
         if not readonly:
             os.makedirs(self.root, mode=0o700, exist_ok=True)
 
@@ -117,13 +121,19 @@ class Store:
 
     def scan(self) -> None:
         """Rebuild the index from the file headers on disk (payloads untouched)."""
-        self.index = Index()
-        self._ns.clear()
-        for ns in self.namespaces():
-            self.refresh(ns, force=True)
+        with self._mutex:
+            self.index.clear()
+            self._ns.clear()
+            self.rejected = []
+            for ns in self.namespaces():
+                self._refresh(ns, True)
 
     def refresh(self, ns: str, *, force: bool = False) -> bool:
         """Pick up files other processes added or removed. Cheap when nothing changed."""
+        with self._mutex:
+            return self._refresh(ns, force)
+
+    def _refresh(self, ns: str, force: bool) -> bool:
         path = self.ns_dir(ns)
         try:
             mtime = os.stat(path).st_mtime_ns
@@ -166,12 +176,6 @@ class Store:
         self.index.add(entry)
         return entry
 
-    def add_written(self, ns: str, sha1: str) -> Entry | None:
-        """Index a file another process (a worker) just finished writing."""
-        state = self._ns.setdefault(ns, _NsState())
-        state.names.add(f"{sha1}.kv")
-        return self._index_file(ns, sha1)
-
     # -- reading ----------------------------------------------------------------------
     @contextlib.contextmanager
     def open(self, ns: str, sha1: str) -> Iterator[tuple[int, Meta, int]]:
@@ -204,8 +208,9 @@ class Store:
         finally:
             os.close(fd)
         if entry is not None:
-            entry.hits += 1
-            entry.last_used = now
+            with self._mutex:
+                entry.hits += 1
+                entry.last_used = now
 
     # -- writing ----------------------------------------------------------------------
     def _atomic_write(self, directory: str, name: str, buffers: list) -> int:
@@ -239,7 +244,8 @@ class Store:
 
     def write(self, ns: str, sha1: str, encoded: Encoded) -> Entry:
         """Write a checkpoint atomically, index it, then enforce budget and watermark."""
-        self._make_room(encoded.size, protect=(ns, sha1))
+        with self._mutex:
+            self._make_room(encoded.size, protect=(ns, sha1))
         directory = self.ns_dir(ns)
         try:
             written = self._atomic_write(directory, f"{sha1}.kv", encoded.buffers)
@@ -251,11 +257,12 @@ class Store:
         h, p = encoded.header, encoded.payload
         entry = Entry(ns, sha1, h.tokens, p.parent_sha1, p.parent_tokens, h.reason, 0,
                       h.created, h.last_used, encoded.size, p.token_digest)
-        self.index.add(entry)
-        self._ns.setdefault(ns, _NsState()).names.add(f"{sha1}.kv")
-        self.stats.written += 1
-        self.stats.bytes_written += encoded.size
-        self._make_room(0, protect=(ns, sha1))
+        with self._mutex:
+            self.index.add(entry)
+            self._ns.setdefault(ns, _NsState()).names.add(f"{sha1}.kv")
+            self.stats.written += 1
+            self.stats.bytes_written += encoded.size
+            self._make_room(0, protect=(ns, sha1))
         return entry
 
     # -- budget -----------------------------------------------------------------------
@@ -275,8 +282,8 @@ class Store:
 
     def evict(self, need_bytes: int, protect: list[Key] | tuple = ()) -> list[Entry]:
         """Delete the lowest-scored leaves until ``need_bytes`` are freed."""
-        plan = self.index.plan_eviction(need_bytes, self.clock(), protect)
-        with self._lock():
+        with self._mutex, self._lock():
+            plan = self.index.plan_eviction(need_bytes, self.clock(), protect)
             for entry in plan:
                 self.index.remove(entry.ns, entry.sha1)
                 self._ns.get(entry.ns, _NsState()).names.discard(f"{entry.sha1}.kv")
@@ -304,6 +311,10 @@ class Store:
     # -- quarantine -------------------------------------------------------------------
     def quarantine(self, ns: str, sha1: str, why: str) -> None:
         """Move a bad file aside (never delete evidence), drop it from the index, count it."""
+        with self._mutex:
+            self._quarantine(ns, sha1, why)
+
+    def _quarantine(self, ns: str, sha1: str, why: str) -> None:
         self.rejected.append((ns, sha1, why))
         if self.readonly:
             self.index.remove(ns, sha1)

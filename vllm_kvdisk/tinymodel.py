@@ -14,6 +14,10 @@ import sys
 import sysconfig
 import tempfile
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 # Bump when the build recipe changes, so stale cached models get rebuilt.
 _BUILD_VERSION = 1
@@ -34,45 +38,48 @@ _ADDED = [TOOL_CALL_START, TOOL_CALL_END]
 # ChatML / Hermes-style template (shape of Qwen2.5's). Tool results are grouped into
 # one user turn wrapped in <tool_response>; arguments that are already a JSON string
 # (raw OpenAI form) are emitted verbatim, dicts go through tojson.
-CHAT_TEMPLATE = (
-    "{%- if tools or messages[0].role == 'system' %}"
-    "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0].role == 'system' %}{{- messages[0].content }}{%- endif %}"
-    "{%- if tools %}"
-    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions. Function signatures are "
-    "within <tools></tools> XML tags:\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object within "
-    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, "
-    "\"arguments\": <args-json-object>}\\n</tool_call>' }}"
-    "{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'system' and loop.first %}"
-    "{%- elif m.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
-    "{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + (m.content or '') + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
-    "{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- elif m.role == 'assistant' %}"
-    "{{- '<|im_start|>assistant' }}"
-    "{%- if m.content %}{{- '\\n' + m.content }}{%- endif %}"
-    "{%- for tc in (m.tool_calls or []) %}"
-    "{%- set f = tc.function if tc.function is defined else tc %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + f.name + '\", \"arguments\": ' }}"
-    "{%- if f.arguments is string %}{{- f.arguments }}"
-    "{%- else %}{{- f.arguments | tojson }}{%- endif %}"
-    "{{- '}\\n</tool_call>' }}"
-    "{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + m.role + '\\n' + (m.content or '') + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+CHAT_TEMPLATE = r"""
+{%- if tools or messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}{{- messages[0].content }}{%- endif %}
+    {%- if tools %}
+        {{- '\n\n# Tools\n\nYou may call one or more functions. Function signatures are'
+            + ' within <tools></tools> XML tags:\n<tools>' }}
+        {%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+        {{- '\n</tools>\n\nFor each function call, return a json object within'
+            + ' <tool_call></tool_call> XML tags:\n<tool_call>\n'
+            + '{"name": <function-name>, "arguments": <args-json-object>}'
+            + '\n</tool_call>' }}
+    {%- endif %}
+    {{- '<|im_end|>\n' }}
+{%- endif %}
+{%- for m in messages %}
+    {%- if m.role == 'system' and loop.first %}
+    {%- elif m.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + (m.content or '') + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- elif m.role == 'assistant' %}
+        {{- '<|im_start|>assistant' }}
+        {%- if m.content %}{{- '\n' + m.content }}{%- endif %}
+        {%- for tc in (m.tool_calls or []) %}
+            {%- set f = tc.function if tc.function is defined else tc %}
+            {{- '\n<tool_call>\n{"name": "' + f.name + '", "arguments": ' }}
+            {%- if f.arguments is string %}{{- f.arguments }}
+            {%- else %}{{- f.arguments | tojson }}{%- endif %}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + m.role + '\n' + (m.content or '') + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
 
 
 def _params(seed: int, vocab_size: int) -> dict[str, int]:
@@ -96,11 +103,12 @@ def _corpus() -> Iterator[str]:
                 return
 
 
-def _build_tokenizer(vocab_size: int):  # -> PreTrainedTokenizerFast
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+def _build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
+    tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -111,9 +119,9 @@ def _build_tokenizer(vocab_size: int):  # -> PreTrainedTokenizerFast
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in _ADDED])
+    tok.add_tokens([tokenizers.AddedToken(t, special=False) for t in _ADDED])
     if tok.get_vocab_size() > vocab_size:
-        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} > {vocab_size} tokens")
+        raise RuntimeError(f"tokenizer needs {tok.get_vocab_size()} > {vocab_size} ids")
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
@@ -159,7 +167,10 @@ def _build(out: pathlib.Path, seed: int, vocab_size: int) -> None:
         # never picks them, and outputs run to max_tokens instead of stopping early.
         model.lm_head.weight[list(ids.values())] = 0.0
     model.generation_config = GenerationConfig(
-        bos_token_id=ids[BOS], eos_token_id=[ids[EOS], ids[IM_END]], pad_token_id=ids[PAD]
+        bos_token_id=ids[BOS],
+        # Stop at end of turn too, as ChatML models do.
+        eos_token_id=[ids[EOS], ids[IM_END]],
+        pad_token_id=ids[PAD],
     )
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

@@ -1,0 +1,90 @@
+"""A disk restore gives exactly what the engine's own prefix cache (or no cache) gives."""
+
+import numpy as np
+import pytest
+
+from engine import engine, generate, random_prompt, trace_lines
+from vllm_kvdisk.store import Store
+from vllm_kvdisk.transfer import PageMover
+
+pytestmark = pytest.mark.engine
+
+
+def test_greedy_tokens_identical_no_cache_gpu_hit_disk_hit_and_after_restart(tiny_model, tmp_path):
+    kv = str(tmp_path / "kv")
+    trace = str(tmp_path / "trace.txt")
+    prompt = random_prompt(1500, seed=1)
+    with engine(tiny_model, None, prefix_caching=False) as llm:
+        reference, cached = generate(llm, prompt, max_tokens=24)
+        assert cached == 0
+    with engine(tiny_model, kv, trace=trace) as llm:
+        cold, cached = generate(llm, prompt, max_tokens=24)
+        assert cached == 0
+        gpu, gpu_cached = generate(llm, prompt, max_tokens=24)
+        assert gpu_cached >= 1280  # the engine's own prefix cache
+        llm.reset_prefix_cache()  # evict everything from the device cache
+        disk, disk_cached = generate(llm, prompt, max_tokens=24)
+    # Grid 256/32 on 128-token blocks: the deepest checkpoint below 1500 is 1408.
+    assert disk_cached == 1408
+    assert len(trace_lines(trace, "hit for")) >= 1
+    with engine(tiny_model, kv, trace=trace) as llm:  # a restarted server: disk only
+        restarted, restart_cached = generate(llm, prompt, max_tokens=24)
+    assert restart_cached == 1408
+    assert reference == cold == gpu == disk == restarted
+    assert len(set(reference)) > 4  # the model is not stuck on one token
+
+
+def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_path, monkeypatch):
+    written: dict[int, np.ndarray] = {}  # block index in the request -> page bytes, layer 0
+    loaded: list[tuple[object, int, list[int], np.ndarray]] = []
+    gather, scatter = PageMover.gather, PageMover.scatter
+
+    def spy_gather(self, block_ids):
+        pages = gather(self, block_ids)
+        for i, _ in enumerate(block_ids):
+            written[len(written)] = pages[0][i].copy()
+        return pages
+
+    def spy_scatter(self, layer, block_ids, pages):
+        loaded.append((self, layer, list(block_ids), np.array(pages, copy=True)))
+        return scatter(self, layer, block_ids, pages)
+
+    monkeypatch.setattr(PageMover, "gather", spy_gather)
+    monkeypatch.setattr(PageMover, "scatter", spy_scatter)
+    prompt = random_prompt(1000, seed=2)  # one checkpoint: 896 tokens = 7 blocks
+    with engine(tiny_model, str(tmp_path / "kv")) as llm:
+        first, _ = generate(llm, prompt)
+        assert len(written) == 7
+        llm.reset_prefix_cache()
+        again, cached = generate(llm, prompt)
+        assert cached == 896 and first == again
+        layer0 = [(m, ids, pages) for m, layer, ids, pages in loaded if layer == 0]
+        assert len(layer0) == 1
+        mover, ids, pages = layer0[0]
+        assert len(ids) == 7
+        in_cache = gather(mover, ids)[0]  # what the engine's blocks hold after the restore
+        for i in range(7):
+            assert pages[i].tobytes() == written[i].tobytes() == in_cache[i].tobytes()
+    assert len(loaded) == 4  # every layer of the tiny model was restored
+
+
+def test_disk_hit_extends_a_gpu_hit(tiny_model, tmp_path):
+    """A longer prompt restores only the blocks the device cache lacks, then the rest."""
+    kv = str(tmp_path / "kv")
+    base = random_prompt(1500, seed=3)
+    with engine(tiny_model, kv) as llm:
+        generate(llm, base[:700])  # checkpoint at 640
+        generate(llm, base)  # delta checkpoint at 1408 on top of 640
+        llm.reset_prefix_cache()
+        generate(llm, base[:500])  # device cache now holds 384 tokens of the prefix
+        tokens, cached = generate(llm, base)
+        assert cached == 1408
+    with engine(tiny_model, None, prefix_caching=False) as llm:
+        reference, _ = generate(llm, base)
+    assert tokens == reference
+    store = Store(kv, space_bytes=1 << 40, readonly=True)
+    store.scan()
+    deepest = max(store.index.entries(), key=lambda e: e.tokens)
+    chain = store.index.chain(deepest.ns, deepest.sha1)
+    # 1408 is a delta on 640: its file owns blocks [5, 11) only, no duplicated pages.
+    assert [(e.parent_tokens, e.tokens) for e in chain] == [(0, 640), (640, 1408)]

@@ -1,0 +1,162 @@
+"""The .kv codec: golden bytes, round trips, limits, and corruption that never crashes."""
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from vllm_kvdisk.format import (FLAG_DELTA, FLAG_TOOL_MAP, HEADER, PAGE_ALIGN, FormatError,
+                                PageLayout, Payload, Reason, UnsupportedFile, decode_tool_map,
+                                encode_checkpoint, encode_tool_map, read_layer_into, read_meta,
+                                read_text, read_tokens, read_tool_map)
+
+GOLDEN = Path(__file__).parent / "golden"
+LAYOUT = PageLayout("cpu:LBHNC", 4, 2, (1, 4, 2), "float32")
+
+
+def golden_checkpoint(delta: bool) -> bytes:
+    """A tiny, fully deterministic checkpoint; its bytes are pinned in tests/golden/."""
+    tokens = np.arange(8 if delta else 4, dtype="<u4")
+    first = 1 if delta else 0
+    nb = 1
+    layers = [np.full((nb, 1, 4, 2), i + 0.5, dtype="<f4").tobytes() for i in range(2)]
+    payload = Payload(bytes(range(32)), ("ab" * 20) if delta else None, 4 if delta else 0,
+                      first, nb, LAYOUT, 0x0123456789ABCDEF)
+    enc = encode_checkpoint(text="héllo wörld"[: 8 if delta else 4].encode(), tokens=tokens.tobytes(),
+                            layers=layers, payload=payload,
+                            reason=Reason.CONTINUED if delta else Reason.COLD, kv_dtype="float32",
+                            context_size=8192, now=1_700_000_000,
+                            tool_map=[("call_1", '{"a": 1}')] if delta else ())
+    return b"".join(bytes(b) for b in enc.buffers)
+
+
+@pytest.mark.parametrize("name,delta", [("v1_root.kv", False), ("v1_delta_ktm.kv", True)])
+def test_golden_files_pin_the_layout(name, delta):
+    assert golden_checkpoint(delta) == (GOLDEN / name).read_bytes()
+
+
+def test_golden_header_fields_by_offset():
+    raw = (GOLDEN / "v1_delta_ktm.kv").read_bytes()
+    assert raw[0:3] == b"KVC" and raw[3] == 1  # magic, version
+    assert raw[4] == 1  # KV dtype code: float32
+    assert raw[5] == 2  # save reason: continued
+    assert struct.unpack_from("<H", raw, 6)[0] == FLAG_TOOL_MAP | FLAG_DELTA
+    assert struct.unpack_from("<IIQQQQ", raw, 8) == (8, 0, 8192, 1_700_000_000, 1_700_000_000,
+                                                     struct.unpack_from("<Q", raw, 40)[0])
+    (text_len,) = struct.unpack_from("<I", raw, 48)
+    assert raw[52:52 + text_len].decode() == "héllo wö"
+    payload = 52 + text_len
+    assert raw[payload:payload + 4] == b"KVDP"
+    assert raw[-len(encode_tool_map([("call_1", '{"a": 1}')])):] == encode_tool_map([("call_1", '{"a": 1}')])
+
+
+def write(tmp_path, raw: bytes) -> int:
+    path = tmp_path / "x.kv"
+    path.write_bytes(raw)
+    return os.open(path, os.O_RDONLY)
+
+
+def test_round_trip(tmp_path):
+    raw = golden_checkpoint(True)
+    fd = write(tmp_path, raw)
+    meta = read_meta(fd, len(raw))
+    assert meta.header.tokens == 8 and meta.payload.parent_sha1 == "ab" * 20
+    assert meta.offsets.pages % PAGE_ALIGN == 0
+    assert read_text(fd, meta) == "héllo wörld".encode()[:len(read_text(fd, meta))]
+    assert np.frombuffer(read_tokens(fd, meta), "<u4").tolist() == list(range(8))
+    for layer in range(2):
+        out = bytearray(meta.offsets.layer_bytes)
+        read_layer_into(fd, meta, layer, memoryview(out))
+        assert np.frombuffer(out, "<f4").tolist() == [layer + 0.5] * 8
+    assert read_tool_map(fd, meta) == [("call_1", '{"a": 1}')]
+    os.close(fd)
+
+
+def test_logits_flag_and_future_versions_are_unsupported(tmp_path):
+    raw = bytearray(golden_checkpoint(False))
+    raw[6] |= 4
+    fd = write(tmp_path, bytes(raw))
+    with pytest.raises(UnsupportedFile, match="logits"):
+        read_meta(fd, len(raw))
+    raw = bytearray(golden_checkpoint(False))
+    raw[3] = 9
+    fd = write(tmp_path, bytes(raw))
+    with pytest.raises(UnsupportedFile, match="version 9"):
+        read_meta(fd, len(raw))
+
+
+def test_hostile_lengths_are_rejected_before_allocation(tmp_path):
+    raw = bytearray(golden_checkpoint(False))
+    struct.pack_into("<I", raw, 48, 0xFFFFFFF0)  # text length far beyond the file
+    fd = write(tmp_path, bytes(raw))
+    with pytest.raises(FormatError, match="text length"):
+        read_meta(fd, len(raw))
+    with pytest.raises(FormatError, match="entries"):
+        decode_tool_map(b"KTM\x01" + struct.pack("<I", 1 << 30))
+    with pytest.raises(FormatError, match="limits"):
+        decode_tool_map(b"KTM\x01" + struct.pack("<III", 1, 1, 1 << 31) + b"x")
+
+
+def test_tool_map_round_trip_and_limits():
+    entries = [("call_ü", "<tool_call>{\"x\": \"日本\"}</tool_call>"), ("id2", "")]
+    assert decode_tool_map(encode_tool_map(entries)) == entries
+    with pytest.raises(FormatError):
+        encode_tool_map([("", "x")])
+    with pytest.raises(FormatError, match="trailing"):
+        decode_tool_map(encode_tool_map(entries) + b"\0")
+
+
+def test_encoder_rejects_wrong_layer_sizes():
+    payload = Payload(bytes(32), None, 0, 0, 1, LAYOUT, 0)
+    with pytest.raises(FormatError, match="layer buffer"):
+        encode_checkpoint(text=b"abcd", tokens=bytes(16), layers=[b"x" * 8, b"x" * 32],
+                          payload=payload, reason=Reason.COLD, kv_dtype="float32",
+                          context_size=1, now=0)
+
+
+def parse_all(fd: int, size: int) -> list[bytes]:
+    meta = read_meta(fd, size)
+    out = [read_text(fd, meta), read_tokens(fd, meta)]
+    for layer in range(meta.payload.layout.num_layers):
+        buf = bytearray(meta.offsets.layer_bytes)
+        read_layer_into(fd, meta, layer, memoryview(buf))
+        out.append(bytes(buf))
+    out.append(repr(read_tool_map(fd, meta)).encode())
+    return out
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_truncation_and_bit_flips_never_crash_or_return_wrong_pages(tmp_path, data):
+    raw = golden_checkpoint(True)
+    fd0 = write(tmp_path, raw)
+    good = parse_all(fd0, len(raw))
+    os.close(fd0)
+    mutated = bytearray(raw)
+    if data.draw(st.booleans()):
+        mutated = mutated[: data.draw(st.integers(0, len(raw) - 1))]
+    else:
+        for _ in range(data.draw(st.integers(1, 4))):
+            pos = data.draw(st.integers(0, len(raw) - 1))
+            mutated[pos] ^= 1 << data.draw(st.integers(0, 7))
+    fd = write(tmp_path, bytes(mutated))
+    try:
+        got = parse_all(fd, len(mutated))
+    except FormatError:
+        return  # rejected: the only acceptable failure
+    finally:
+        os.close(fd)
+    # Accepted: only the save reason, the mutable statistics (hit count, times, context
+    # size), the zero padding or the text (checked against the file name by the store) may differ; pages, tokens and the tool map are exactly the originals.
+    assert got[1:] == good[1:]
+    changed = [i for i in range(len(raw)) if i < len(mutated) and raw[i] != mutated[i]]
+    assert len(mutated) == len(raw)
+    text_end = 52 + len(good[0])
+    meta_fd = write(tmp_path, raw)
+    offsets = read_meta(meta_fd, len(raw)).offsets
+    os.close(meta_fd)
+    padding = range(offsets.tokens + 4 * 8, offsets.pages)  # zero padding, not checksummed
+    assert all(i == 5 or 12 <= i < 40 or 52 <= i < text_end or i in padding for i in changed), changed

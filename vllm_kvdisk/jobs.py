@@ -1,0 +1,94 @@
+"""Messages between the two halves of the connector (all plain, picklable dataclasses).
+
+scheduler -> worker: :class:`StepMeta` (loads to start, saves to copy out) once per step.
+worker -> scheduler: :class:`WorkerReport` (files written, saves failed, files gone) once
+per step, aggregated over TP workers by vLLM.
+Only vLLM's two abstract base classes are imported; no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata,
+                                                               KVConnectorWorkerMetadata)
+
+from vllm_kvdisk.format import Reason
+
+
+@dataclass(slots=True)
+class Scope:
+    """The private part of a namespace: LoRA adapter and cache salt (digest only)."""
+
+    lora: str = ""
+    salt_digest: str = ""
+
+
+@dataclass(slots=True)
+class LoadFile:
+    sha1: str
+    tokens: int
+    parent_tokens: int
+
+
+@dataclass(slots=True)
+class LoadJob:
+    req_id: str
+    scope: Scope
+    files: list[LoadFile]
+    start_block: int  # first block index (in the request) to fill; earlier ones are local
+    block_ids: list[int]  # engine block ids for request blocks [start_block, ...)
+
+
+@dataclass(slots=True)
+class SaveJob:
+    req_id: str
+    scope: Scope
+    sha1: str
+    tokens: int
+    parent: str | None
+    parent_tokens: int
+    reason: Reason
+    block_ids: list[int]  # engine block ids of the blocks this file owns
+    text: bytes
+    token_ids: bytes  # u32 LE ids of the whole prefix
+    context_size: int
+    tool_map: list[tuple[str, str]] = field(default_factory=list)
+    # The request has finished and its blocks are held for this copy (delay_free).
+    release_blocks: bool = False
+
+
+@dataclass
+class StepMeta(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Written:
+    ns: str
+    sha1: str
+    tokens: int
+    parent: str | None
+    parent_tokens: int
+    reason: Reason
+    created: int
+    size: int
+    token_digest: int
+
+
+@dataclass
+class WorkerReport(KVConnectorWorkerMetadata):
+    written: list[Written] = field(default_factory=list)
+    failed_saves: list[tuple[str, str]] = field(default_factory=list)  # (ns, sha1)
+    removed: list[tuple[str, str]] = field(default_factory=list)  # evicted or quarantined
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:
+        if isinstance(other, WorkerReport):
+            self.written += other.written
+            self.failed_saves += other.failed_saves
+            self.removed += other.removed
+        return self
+
+    def __bool__(self) -> bool:
+        return bool(self.written or self.failed_saves or self.removed)

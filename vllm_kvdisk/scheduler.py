@@ -1,0 +1,260 @@
+"""Scheduler half of the connector: lookups, load plans and save plans.
+
+Runs in vLLM's EngineCore process. It owns a read-mostly view of the cache directory (the
+index) and never writes checkpoint files itself: it decides, the worker copies and writes,
+and the worker's per-step :class:`WorkerReport` tells the index what landed.
+
+Invariants:
+* ``get_num_new_matched_tokens`` has no side effect beyond a memo of its own answer.
+* A hit is always block-aligned, beyond what the GPU prefix cache holds, below the full
+  prompt, and asynchronous.
+* A request whose load failed is never offered the disk cache again (no retry loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_kvdisk.config import KVDiskConfig
+from vllm_kvdisk.format import Reason
+from vllm_kvdisk.index import Entry, Lookup, Miss
+from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta, WorkerReport
+from vllm_kvdisk.keys import Fingerprint, Grid, TokenTable, salt_digest
+from vllm_kvdisk.planner import Planner, Prompt
+from vllm_kvdisk.store import Store
+from vllm_kvdisk.trace import Trace
+
+log = logging.getLogger(__name__)
+
+REFRESH_INTERVAL_S = 2.0
+
+
+@dataclass(slots=True)
+class _Req:
+    request: Any
+    scope: Scope
+    ns: str
+    memo_key: tuple[int, int] | None = None
+    memo: Lookup | None = None
+    memo_prompt: Prompt | None = None
+    loading: bool = False
+    load_failed: bool = False
+
+
+class SchedulerSide:
+    def __init__(self, config: KVDiskConfig, fingerprint: Fingerprint, table: TokenTable,
+                 block_size: int, context_size: int):
+        self.config = config
+        self.base_fp = fingerprint
+        self.table = table
+        self.block_size = block_size
+        self.context_size = context_size
+        self.grid = Grid(config.kv_cache_boundary_align_tokens,
+                         config.kv_cache_boundary_trim_tokens, block_size)
+        self.store = Store(config.kv_disk_dir, space_bytes=config.space_bytes,
+                           min_free_bytes=config.min_free_bytes)
+        self.store.scan()
+        self.planner = Planner(self.store.index, self.grid, config.kv_cache_min_tokens)
+        self.trace = Trace(config.trace)
+        self._reqs: dict[str, _Req] = {}
+        self._loads: list[LoadJob] = []
+        self._saves: list[SaveJob] = []
+        self._ns_cache: dict[tuple[str, str], str] = {}
+        self._last_refresh = 0.0
+        self.kv_cache_manager: Any = None
+        log.info("kvdisk: %d checkpoint(s), %d bytes in %s", len(self.store.index),
+                 self.store.index.total_bytes, self.store.root)
+
+    # -- namespaces -------------------------------------------------------------------
+    def _scope(self, request: Any) -> Scope:
+        lora = getattr(request, "lora_request", None)
+        return Scope(lora=(getattr(lora, "lora_name", "") or "") if lora else "",
+                     salt_digest=salt_digest(getattr(request, "cache_salt", None)))
+
+    def _ns(self, scope: Scope) -> str:
+        key = (scope.lora, scope.salt_digest)
+        if key not in self._ns_cache:
+            fp = Fingerprint(**{**self.base_fp.describe(), "lora": scope.lora,
+                                "salt_digest": scope.salt_digest})
+            self._ns_cache[key] = fp.dirname()
+        return self._ns_cache[key]
+
+    def _state(self, request: Any) -> _Req:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            scope = self._scope(request)
+            st = _Req(request, scope, self._ns(scope))
+            self._reqs[request.request_id] = st
+        return st
+
+    def _refresh(self, ns: str) -> None:
+        now = time.monotonic()
+        if now - self._last_refresh >= REFRESH_INTERVAL_S:
+            self._last_refresh = now
+            self.store.refresh(ns)
+
+    # -- lookups ----------------------------------------------------------------------
+    def num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        st = self._state(request)
+        if st.load_failed or request.prompt_token_ids is None:
+            return 0, False
+        usable = request.num_tokens - 1  # vLLM always computes at least one prompt token
+        memo_key = (num_computed, usable)
+        if st.memo_key != memo_key:
+            self._refresh(st.ns)
+            prompt = Prompt(self.table, self.grid, request.prompt_token_ids, limit=usable)
+            st.memo, st.memo_key = self.planner.lookup(st.ns, prompt, usable), memo_key
+            st.memo_prompt = prompt
+        hit = st.memo.tokens if st.memo else 0
+        if hit <= num_computed:
+            return 0, False
+        return hit - num_computed, True
+
+    def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None or st.memo is None:
+            return
+        lookup, prompt = st.memo, st.memo_prompt
+        st.memo = st.memo_key = st.memo_prompt = None
+        if num_external <= 0:
+            self._trace_miss(st, lookup, prompt)
+            return
+        hit = lookup.tokens
+        local = hit - num_external
+        bs = self.block_size
+        start, end = local // bs, hit // bs
+        block_ids = list(blocks.get_block_ids()[0][start:end])
+        files = [LoadFile(e.sha1, e.tokens, e.parent_tokens) for e in lookup.chain
+                 if e.tokens > local]
+        self._loads.append(LoadJob(request.request_id, st.scope, files, start, block_ids))
+        st.loading = True
+        self.trace.line(f"hit for sha1={lookup.chain[-1].sha1} (loading {num_external} tokens "
+                        f"from {len(files)} file(s); {local} already in the GPU cache)")
+
+    def _trace_miss(self, st: _Req, lookup: Lookup, prompt: Prompt | None) -> None:
+        if not self.trace.enabled or lookup.miss is None:
+            return
+        key = lookup.miss_key
+        sha = key.sha1 if key else "-"
+        detail = lookup.miss.value
+        if lookup.miss is Miss.NO_CHECKPOINT and prompt is not None:
+            detail = self._divergence(st.ns, lookup, prompt) or detail
+        elif lookup.miss is Miss.OTHER_NAMESPACE:
+            detail += f" ({', '.join(lookup.other_namespaces)})"
+        elif lookup.miss is Miss.TOKENS_DIFFER and key is not None:
+            detail += f" (checkpoint of {key.tokens} tokens)"
+        if lookup.chain:
+            detail += f"; deepest hit {lookup.tokens} tokens"
+        self.trace.line(f"miss for sha1={sha} (reason: {detail})")
+
+    def _divergence(self, ns: str, lookup: Lookup, prompt: Prompt) -> str | None:
+        """Where the prompt leaves the closest deeper checkpoint (a child of the hit)."""
+        base = lookup.chain[-1].sha1 if lookup.chain else None
+        kids = self.store.index.children(ns, base) if base else []
+        best = None
+        for kid in kids[:8]:
+            try:
+                text = self.store.read_text(ns, kid.sha1)
+            except Exception:  # noqa: BLE001 - diagnostics must never fail a request
+                continue
+            common = os.path.commonprefix([text, prompt.text[: len(text)]])
+            if best is None or len(common) > best[0]:
+                best = (len(common), kid.sha1)
+        if best is None:
+            return None
+        return f"prefix mismatch at byte {best[0]} of checkpoint {best[1]}"
+
+    # -- saves ------------------------------------------------------------------------
+    def _plan_save(self, st: _Req, length: int, reason: Reason, block_ids: list[int],
+                   release: bool = False) -> bool:
+        request = st.request
+        ids = list(request.all_token_ids[:length])
+        if length <= 0 or len(ids) < length:
+            return False
+        prompt = Prompt(self.table, self.grid, ids)
+        plan = self.planner.plan_save(st.ns, prompt, length, reason)
+        if plan is None:
+            return False
+        bs = self.block_size
+        owned = block_ids[plan.parent_tokens // bs: length // bs]
+        if len(owned) != (length - plan.parent_tokens) // bs:
+            return False
+        self.planner.reserve(plan, prompt.digest(length), int(time.time()))
+        self._saves.append(SaveJob(
+            request.request_id, st.scope, plan.sha1, length, plan.parent, plan.parent_tokens,
+            reason, list(owned), prompt.text_upto(length), prompt.ids[:length].astype("<u4").tobytes(),
+            self.context_size, release_blocks=release))
+        return True
+
+    def _block_ids(self, req_id: str) -> list[int]:
+        if self.kv_cache_manager is None:
+            return []
+        return list(self.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def build_meta(self, scheduler_output: Any) -> StepMeta:
+        cfg = self.config
+        for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is None or st.load_failed:
+                continue
+            request = st.request
+            before = request.num_computed_tokens
+            after = before + n_sched
+            n_prompt = request.num_prompt_tokens
+            if before < n_prompt <= after:
+                length = self.grid.floor(n_prompt)
+                if cfg.kv_cache_min_tokens <= length <= cfg.kv_cache_cold_max_tokens:
+                    self._plan_save(st, length, Reason.COLD, self._block_ids(req_id))
+            interval = cfg.kv_cache_continued_interval_tokens
+            if after // interval > before // interval:
+                self._plan_save(st, self.grid.floor(after), Reason.CONTINUED,
+                                self._block_ids(req_id))
+        meta = StepMeta(self._loads, self._saves)
+        self._loads, self._saves = [], []
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        st = self._reqs.pop(request.request_id, None)
+        if st is None or st.loading or st.load_failed:
+            # A request aborted mid-load is released by its finished_recving, never here.
+            return False, None
+        computed = min(request.num_computed_tokens, len(block_ids) * self.block_size)
+        length = self.grid.floor(computed)
+        if length < self.config.kv_cache_min_tokens:
+            return False, None
+        return self._plan_save(st, length, Reason.EVICT, list(block_ids), release=True), None
+
+    # -- worker feedback --------------------------------------------------------------
+    def on_worker_output(self, output: Any) -> None:
+        for req_id in output.finished_recving or ():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.loading = False
+        for req_id in getattr(output, "failed_recving", None) or ():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.load_failed = True
+        report = output.kv_connector_worker_meta
+        if not isinstance(report, WorkerReport):
+            return
+        index = self.store.index
+        for w in report.written:
+            index.add(Entry(w.ns, w.sha1, w.tokens, w.parent, w.parent_tokens, w.reason, 0,
+                            w.created, w.created, w.size, w.token_digest))
+        for ns, sha1 in report.failed_saves:
+            index.release(ns, sha1)
+        for ns, sha1 in report.removed:
+            index.remove(ns, sha1)
+
+    def mark_load_failed(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.load_failed = True
+
+    def shutdown(self) -> None:
+        self.trace.close()

@@ -1,0 +1,105 @@
+"""Move whole KV pages between the engine's cache tensors and host buffers.
+
+Each layer's cache is seen as ``[num_blocks, page_bytes]`` bytes (its logical per-block
+contents, whatever the backend packs inside a page), so a page is copied as an opaque unit
+and never reinterpreted. Gathering is one ``index_select`` per layer; scattering one
+``index_copy_``. On a GPU the host side is pinned memory and copies run on a side stream;
+``gather`` returns only after the copy is complete, so the blocks may be freed right after.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from vllm_kvdisk.format import PageLayout
+
+TORCH_DTYPES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.uint8: "uint8",
+    getattr(torch, "float8_e4m3fn", None): "fp8_e4m3",
+    getattr(torch, "float8_e5m2", None): "fp8_e5m2",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return TORCH_DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"kvdisk: KV cache dtype {dtype} is not supported") from None
+
+
+def unique_layers(kv_caches: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Layers in model order, each backing tensor once (shared-KV layers alias one)."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    out = []
+    for name, tensor in kv_caches.items():
+        ident = (tensor.data_ptr(), tuple(tensor.shape))
+        if ident not in seen:
+            seen.add(ident)
+            out.append((name, tensor))
+    return out
+
+
+class PageMover:
+    def __init__(self, layers: Sequence[torch.Tensor], block_size: int, layout_name: str):
+        if not layers:
+            raise ValueError("kvdisk: no KV cache layers registered")
+        first = layers[0]
+        self.device = first.device
+        self.num_blocks = first.shape[0]
+        self.layout = PageLayout(layout_name, block_size, len(layers), tuple(first.shape[1:]),
+                                 dtype_name(first.dtype))
+        self.layout.validate()
+        for t in layers:
+            if tuple(t.shape) != tuple(first.shape) or t.dtype != first.dtype:
+                raise ValueError("kvdisk: layers with different KV shapes are not supported")
+        # Logical per-layer tensors, block dimension first. Indexing dim 0 copies exactly
+        # one block's logical contents whatever the physical strides are.
+        self._layers = list(layers)
+        self.page_bytes = self.layout.page_bytes
+        self._pin = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self._pin else None
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        ids = torch.as_tensor(list(block_ids), dtype=torch.long)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            raise ValueError(f"block id outside 0..{self.num_blocks - 1}")
+        return ids.to(self.device, non_blocking=True) if self._pin else ids
+
+    def gather(self, block_ids: Sequence[int]) -> list[np.ndarray]:
+        """Copy the pages of ``block_ids`` of every layer to host memory, one array per layer."""
+        idx = self._index(block_ids)
+        out: list[np.ndarray] = []
+        if self._stream is None:
+            for t in self._layers:
+                pages = torch.index_select(t, 0, idx).contiguous()
+                out.append(pages.view(torch.uint8).reshape(len(idx), self.page_bytes).numpy())
+            return out
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        hosts = []
+        with torch.cuda.stream(self._stream):
+            for t in self._layers:
+                host = torch.empty((len(idx), self.page_bytes), dtype=torch.uint8, pin_memory=True)
+                pages = torch.index_select(t, 0, idx).contiguous()
+                host.copy_(pages.view(torch.uint8).reshape(len(idx), -1), non_blocking=True)
+                hosts.append(host)
+        self._stream.synchronize()
+        return [h.numpy() for h in hosts]
+
+    def scatter(self, layer: int, block_ids: Sequence[int], pages: np.ndarray) -> None:
+        """Write host ``pages`` (n x page_bytes bytes) into blocks ``block_ids`` of one layer."""
+        idx = self._index(block_ids)
+        target = self._layers[layer]
+        src = torch.from_numpy(pages).reshape(-1).view(target.dtype).reshape(
+            len(idx), *target.shape[1:])
+        if self._stream is None:
+            target.index_copy_(0, idx, src)
+            return
+        with torch.cuda.stream(self._stream):
+            target.index_copy_(0, idx, src.to(self.device, non_blocking=True))
+        self._stream.synchronize()
