@@ -71,6 +71,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /reset_prefix_cache to evict the device cache
         cmd = [sys.executable, "-m", "vllm_kvdisk.serve", "serve", model,
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
                "--max-model-len", "8192", "--enforce-eager", "--kv-disk-dir", kv_dir,
@@ -105,6 +106,9 @@ class Server:
             "add_generation_prompt": add_generation_prompt}, timeout=60)
         r.raise_for_status()
         return r.json()["tokens"]
+
+    def reset_device_cache(self) -> None:
+        requests.post(self.url + "/reset_prefix_cache", timeout=30).raise_for_status()
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of a metric's samples whose labels include ``labels``."""

@@ -119,9 +119,14 @@ class SchedulerSide:
         if st is None or st.memo is None:
             return
         lookup, prompt = st.memo, st.memo_prompt
+        on_device = st.memo_key[0] if st.memo_key else 0
         st.memo = st.memo_key = st.memo_prompt = None
         if num_external <= 0:
-            self._trace_miss(st, lookup, prompt)
+            if lookup.chain and lookup.tokens <= on_device:
+                self.trace.line(f"device hit for sha1={lookup.chain[-1].sha1} ({on_device} "
+                                f"tokens in the GPU prefix cache cover the {lookup.tokens} on disk)")
+            else:
+                self._trace_miss(st, lookup, prompt)
             return
         hit = lookup.tokens
         local = hit - num_external

@@ -335,7 +335,8 @@ class Store:
             self._ns.get(ns, _NsState()).names.discard(f"{sha1}.kv")
         self.stats.quarantined += 1
         with contextlib.suppress(OSError):
-            with open(dest + ".why", "w") as fh:
+            fd = os.open(dest + ".why", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
                 fh.write(why + "\n")
         log.warning("kvdisk: quarantined %s/%s.kv: %s", ns, sha1, why)
 

@@ -1,0 +1,134 @@
+"""Through the OpenAI server (`vllm-kvdisk serve`, default multi-process engine)."""
+
+import glob
+import os
+import threading
+
+import pytest
+
+from engine import ALIGN, Server, trace_lines
+from vllm_kvdisk.keys import Grid
+
+pytestmark = pytest.mark.engine
+GRID = Grid(ALIGN, 32, 128)
+WORDS = open(os.path.join(os.path.dirname(os.__file__), "textwrap.py")).read().split()
+
+
+def text(start: int, n: int) -> str:
+    return " ".join(WORDS[start % 2000: start % 2000 + n])
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def disk_tokens(server: Server) -> float:
+    return server.metric("vllm:prompt_tokens_cached_by_source_total", source="disk")
+
+
+def test_four_turn_chat_with_a_restart_hits_disk(tiny_model, tmp_path):
+    kv, trace, log = str(tmp_path / "kv"), str(tmp_path / "trace.txt"), str(tmp_path / "log")
+    messages = [{"role": "system", "content": text(0, 900)},
+                {"role": "user", "content": "Explain: " + text(900, 250)}]
+    server = Server(tiny_model, kv, log, "--trace", trace)
+    seen: list[int] = []  # tokens the server has computed so far in this conversation
+    try:
+        for turn in range(4):
+            if turn == 2:  # restart between turns 2 and 3: the device cache is gone
+                assert server.stop() == 0
+                server = Server(tiny_model, kv, log, "--trace", trace)
+            prompt = server.tokenize(messages)
+            before = disk_tokens(server)
+            # A long first answer crosses grid positions: the evict save covers it.
+            reply = server.chat(messages, max_tokens=300 if turn == 0 else 24)
+            cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert reply["usage"]["prompt_tokens"] == len(prompt)
+            aligned = GRID.floor(min(shared_prefix(prompt, seen), len(prompt) - 1))
+            if turn == 0:
+                assert cached == 0
+            else:
+                assert aligned >= 1000 and cached >= 0.9 * aligned, (turn, cached, aligned)
+            if turn == 2:  # right after the restart: every cached token came from disk
+                assert disk_tokens(server) - before == cached
+            content = reply["choices"][0]["message"]["content"]
+            seen = server.tokenize(messages + [{"role": "assistant", "content": content}],
+                                   add_generation_prompt=False)
+            messages += [{"role": "assistant", "content": content},
+                         {"role": "user", "content": text(1200 + 100 * turn, 80)}]
+    finally:
+        server.stop()
+    files = [p for p in glob.glob(os.path.join(kv, "*", "*.kv")) if "quarantine" not in p]
+    assert files
+    for path in files:
+        head = open(path, "rb").read(4096)
+        assert head[:3] == b"KVC" and text(0, 30).encode() in head  # hexdump shows the prompt
+    reasons = {line.split("reason=")[1].split()[0] for line in trace_lines(trace, "saved")}
+    assert {"cold", "evict"} <= reasons
+
+
+def test_sessions_evicted_from_the_device_cache_resume_from_disk(tiny_model, tmp_path):
+    kv, log = str(tmp_path / "kv"), str(tmp_path / "log")
+    # 40 blocks x 128 tokens: room for about two of these conversations at a time.
+    server = Server(tiny_model, kv, log, "--num-gpu-blocks-override", "40",
+                    "--max-model-len", "4096")
+    try:
+        sessions = [[{"role": "system", "content": f"Session {i}. " + text(40 * i, 700)},
+                     {"role": "user", "content": text(800 + 40 * i, 150)}] for i in range(6)]
+        for msgs in sessions:
+            reply = server.chat(msgs)
+            msgs += [reply["choices"][0]["message"], {"role": "user", "content": text(1500, 60)}]
+        before = disk_tokens(server)
+        for msgs in sessions[:3]:  # long evicted from the device cache by sessions 3..5
+            prompt = server.tokenize(msgs)
+            reply = server.chat(msgs)
+            assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= GRID.floor(
+                len(prompt) // 2)
+        assert disk_tokens(server) - before >= 3 * 1000
+    finally:
+        server.stop()
+
+
+def test_concurrent_sessions_sharing_a_system_prompt(tiny_model, tmp_path):
+    kv, trace, log = str(tmp_path / "kv"), str(tmp_path / "trace.txt"), str(tmp_path / "log")
+    server = Server(tiny_model, kv, log, "--trace", trace)
+    system = {"role": "system", "content": text(0, 800)}
+    convs = {i: [system, {"role": "user", "content": f"Task {i}: " + text(1000 + 97 * i, 300)}]
+             for i in range(8)}
+    errors: list[BaseException] = []
+    cached: dict[int, int] = {}
+
+    def turn(i: int) -> None:
+        try:
+            reply = server.chat(convs[i])
+            cached[i] = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+            convs[i] += [reply["choices"][0]["message"], {"role": "user", "content": "and then?"}]
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def all_at_once() -> None:
+        threads = [threading.Thread(target=turn, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+
+    try:
+        all_at_once()
+        server.reset_device_cache()
+        before = disk_tokens(server)
+        all_at_once()
+        from_disk = disk_tokens(server) - before
+    finally:
+        server.stop()
+    assert not errors, errors
+    assert all(cached[i] >= 1024 for i in range(8)), cached
+    assert from_disk >= 8 * 1024
+    saved = [line.split("sha1=")[1].split()[0] for line in trace_lines(trace, "saved")]
+    assert len(saved) == len(set(saved)), "a checkpoint was written twice"
+    # The shared system prompt's checkpoint is one file that the sessions' deltas extend.
+    assert len(trace_lines(trace, "saved reason=cold")) < 8 * 2
