@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 
 from synth import byte_table
-from vllm_kvdisk.keys import Fingerprint, Grid, TokenTable, prefix_keys, salt_digest, token_digest
+from vllm_kvdisk.keys import (Fingerprint, Grid, KeyCache, TokenTable, as_token_array, salt_digest,
+                              token_digest)
+from vllm_kvdisk.planner import Prompt
 
 
 def test_seed_example_positions():
@@ -43,16 +45,35 @@ def test_render_rejects_out_of_vocab():
         byte_table().render(np.array([999999]))
 
 
-def test_prefix_keys_equal_sha1_of_text():
+def test_grid_keys_equal_sha1_of_text_with_and_without_the_key_cache():
     table = byte_table()
     rng = np.random.default_rng(1)
     ids = rng.integers(0, len(table), 500)
-    text, ends = table.render(ids)
-    keys = prefix_keys(text, ends, Grid(64, 8, 16).positions_upto(500))
-    assert [k.tokens for k in keys] == [48, 112, 176, 240, 304, 368, 432, 496]
-    for k in keys:
+    text, _ = table.render(ids)
+    grid = Grid(64, 8, 16)
+    cache = KeyCache()
+    plain = Prompt(table, grid, ids)
+    assert [k.tokens for k in plain.keys] == [48, 112, 176, 240, 304, 368, 432, 496]
+    for k in plain.keys:
         assert k.sha1 == hashlib.sha1(text[: k.text_end]).hexdigest()
         assert k.text_end == len(b"".join(table.piece(int(t)) for t in ids[: k.tokens]))
+    first = Prompt(table, grid, ids[:300], cache=cache)  # fills the cache up to 240
+    assert len(cache) == 4
+    # A longer prompt with the same start reuses those states and hashes only its tail...
+    longer = Prompt(table, grid, ids, cache=cache)
+    assert longer.keys == plain.keys and first.keys == plain.keys[:4]
+    # ...and one that diverges early is not fooled by the cached states.
+    other = ids.copy()
+    other[100] = (other[100] + 1) % len(table)
+    diverged = Prompt(table, grid, other, cache=cache)
+    assert diverged.keys[0] == plain.keys[0] and diverged.keys[1] != plain.keys[1]
+    assert diverged.keys == Prompt(table, grid, other).keys
+
+
+def test_token_lists_convert_and_reject_bad_ids():
+    assert as_token_array([1, 2, 3]).dtype == np.uint32
+    with pytest.raises(ValueError):
+        as_token_array([-1])
 
 
 def test_same_text_different_tokens_gives_same_key_but_different_digest():

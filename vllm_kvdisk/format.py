@@ -360,6 +360,48 @@ class Meta:
     text_len: int
 
 
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """What an index needs from a file, read from its first page only (start-up scans)."""
+
+    header: Header
+    parent_sha1: str | None
+    parent_tokens: int
+    token_digest: int
+
+
+_SUMMARY = struct.Struct("<4sHH32s20sI")  # magic .. parent tokens (prefix of PAYLOAD_FIXED)
+_DIGEST_AT = PAYLOAD_FIXED.size - 16
+
+
+def read_summary(fd: int, file_size: int) -> Summary:
+    """Header + parent + token digest, checked for consistency; the full parse and every
+    checksum happen when the file is loaded. Raises FormatError like ``read_meta``."""
+    first = os.pread(fd, PAGE_ALIGN, 0)
+    header = Header.unpack(first)
+    if len(first) < HEADER.size + TEXT_LEN.size:
+        raise FormatError("truncated before the text length")
+    (text_len,) = TEXT_LEN.unpack_from(first, HEADER.size)
+    payload_at = HEADER.size + TEXT_LEN.size + text_len
+    if payload_at + header.payload_bytes > file_size or text_len > MAX_TEXT_BYTES:
+        raise FormatError(f"file of {file_size} bytes is shorter than its sections")
+    if payload_at + PAYLOAD_FIXED.size <= len(first):
+        fixed = first[payload_at:payload_at + PAYLOAD_FIXED.size]
+    else:
+        fixed = _pread_exact(fd, PAYLOAD_FIXED.size, payload_at)
+    magic, version, fixed_len, _, parent, parent_tokens = _SUMMARY.unpack_from(fixed)
+    if magic != PAYLOAD_MAGIC:
+        raise FormatError(f"bad payload magic {magic!r}")
+    if version != PAYLOAD_VERSION or fixed_len != PAYLOAD_FIXED.size:
+        raise UnsupportedFile(f"payload version {version}/{fixed_len}")
+    has_parent = parent != bytes(20)
+    if has_parent != bool(header.flags & FLAG_DELTA) or parent_tokens >= header.tokens \
+            or has_parent != (parent_tokens > 0):
+        raise FormatError("parent fields inconsistent")
+    (digest,) = struct.unpack_from("<Q", fixed, _DIGEST_AT)
+    return Summary(header, parent.hex() if has_parent else None, parent_tokens, digest)
+
+
 def _pread_exact(fd: int, size: int, offset: int) -> bytes:
     data = os.pread(fd, size, offset)
     if len(data) != size:
@@ -383,10 +425,9 @@ def read_meta(fd: int, file_size: int) -> Meta:
     else:
         fixed = _pread_exact(fd, PAYLOAD_FIXED.size, payload_at)
     payload = unpack_payload_fixed(fixed, header)
-    sums_len = CHECKSUM.size * (payload.layout.num_layers + 1)
-    sums_raw = _pread_exact(fd, sums_len, fixed_end)
-    sums = tuple(CHECKSUM.unpack_from(sums_raw, 8 * i)[0] for i in range(payload.layout.num_layers + 1))
-    payload = replace(payload, checksums=sums)
+    count = payload.layout.num_layers + 1
+    sums_raw = _pread_exact(fd, CHECKSUM.size * count, fixed_end)
+    payload = replace(payload, checksums=struct.unpack(f"<{count}Q", sums_raw))
     offsets = compute_offsets(text_len, header.tokens, payload.layout, payload.num_blocks,
                               payload.layout.num_layers, 0)
     if offsets.ktm - offsets.payload != header.payload_bytes:

@@ -8,6 +8,7 @@ the CLI and the benchmarks use it to make synthetic checkpoints the same way.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -15,22 +16,63 @@ import numpy as np
 
 from vllm_kvdisk.format import Encoded, PageLayout, Payload, Reason, encode_checkpoint
 from vllm_kvdisk.index import Entry, Index, Lookup, Miss
-from vllm_kvdisk.keys import (Grid, PrefixKey, TokenTable, as_token_array, prefix_keys,
-                              token_digest)
+from vllm_kvdisk.keys import (Grid, KeyCache, PrefixKey, TokenTable, as_token_array,
+                              prefix_id_digests, token_digest)
 
 
 class Prompt:
-    """A token sequence rendered for keying: text, byte ends and grid keys, computed once."""
+    """A token sequence keyed for lookups: the SHA1 of its text at every grid position.
 
-    __slots__ = ("ids", "text", "ends", "keys", "_digests")
+    With a :class:`KeyCache`, only the part after the deepest grid position seen before
+    (the same token ids, recognised by a streaming xxh3-128 of the ids) is rendered and
+    hashed: an agent resending a 100k-token conversation pays for its new tokens only.
+    The full text is rendered lazily, when a save or a diagnostic needs it.
+    """
+
+    __slots__ = ("ids", "keys", "_table", "_digests", "_text", "_ends")
 
     def __init__(self, table: TokenTable, grid: Grid, tokens: Sequence[int] | np.ndarray,
-                 limit: int | None = None):
+                 limit: int | None = None, cache: KeyCache | None = None):
         self.ids = as_token_array(tokens)
-        n = len(self.ids) if limit is None else min(limit, len(self.ids))
-        self.text, self.ends = table.render(self.ids)
-        self.keys: list[PrefixKey] = prefix_keys(self.text, self.ends, grid.positions_upto(n))
+        self._table = table
         self._digests: dict[int, int] = {}
+        self._text: bytes | None = None
+        self._ends: np.ndarray | None = None
+        n = len(self.ids) if limit is None else min(limit, len(self.ids))
+        positions = grid.positions_upto(n)
+        self.keys: list[PrefixKey] = []
+        ids_digests = prefix_id_digests(self.ids, positions) if cache is not None else []
+        state, begin, begin_bytes = None, 0, 0
+        for i, pos in enumerate(positions):
+            hit = cache.get(ids_digests[i]) if cache is not None else None
+            if hit is None:
+                break
+            sha1_hex, state, begin_bytes = hit
+            self.keys.append(PrefixKey(pos, sha1_hex, begin_bytes))
+            begin = pos
+        todo = positions[len(self.keys):]
+        if not todo:
+            return
+        text, ends = table.render(self.ids[begin:todo[-1]])
+        sha = state.copy() if state is not None else hashlib.sha1()
+        done = 0
+        for i, pos in enumerate(todo, start=len(self.keys)):
+            end = int(ends[pos - begin - 1])
+            sha.update(text[done:end])
+            done = end
+            key = PrefixKey(pos, sha.hexdigest(), begin_bytes + end)
+            self.keys.append(key)
+            if cache is not None:
+                cache.put(ids_digests[i], (key.sha1, sha.copy(), key.text_end))
+
+    def _render(self) -> None:
+        if self._text is None:
+            self._text, self._ends = self._table.render(self.ids)
+
+    @property
+    def text(self) -> bytes:
+        self._render()
+        return self._text  # type: ignore[return-value]
 
     def digest(self, length: int) -> int:
         if length not in self._digests:
@@ -44,7 +86,10 @@ class Prompt:
         return None
 
     def text_upto(self, length: int) -> bytes:
-        return self.text[: int(self.ends[length - 1])] if length else b""
+        if not length:
+            return b""
+        self._render()
+        return self._text[: int(self._ends[length - 1])]  # type: ignore[index]
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from vllm_kvdisk.config import KVDiskConfig
 from vllm_kvdisk.format import Reason
 from vllm_kvdisk.index import Entry, Lookup, Miss
 from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta, WorkerReport
-from vllm_kvdisk.keys import Fingerprint, Grid, TokenTable, salt_digest
+from vllm_kvdisk.keys import Fingerprint, Grid, KeyCache, TokenTable, salt_digest
 from vllm_kvdisk.planner import Planner, Prompt
 from vllm_kvdisk.store import Store
 from vllm_kvdisk.trace import Trace
@@ -65,6 +65,7 @@ class SchedulerSide:
         self._saves: list[SaveJob] = []
         self._ns_cache: dict[tuple[str, str], str] = {}
         self._last_refresh = 0.0
+        self.key_cache = KeyCache()
         self.kv_cache_manager: Any = None
         log.info("kvdisk: %d checkpoint(s), %d bytes in %s", len(self.store.index),
                  self.store.index.total_bytes, self.store.root)
@@ -106,7 +107,8 @@ class SchedulerSide:
         memo_key = (num_computed, usable)
         if st.memo_key != memo_key:
             self._refresh(st.ns)
-            prompt = Prompt(self.table, self.grid, request.prompt_token_ids, limit=usable)
+            prompt = Prompt(self.table, self.grid, request.prompt_token_ids, limit=usable,
+                            cache=self.key_cache)
             st.memo, st.memo_key = self.planner.lookup(st.ns, prompt, usable), memo_key
             st.memo_prompt = prompt
         hit = st.memo.tokens if st.memo else 0
@@ -180,7 +182,7 @@ class SchedulerSide:
         ids = list(request.all_token_ids[:length])
         if length <= 0 or len(ids) < length:
             return False
-        prompt = Prompt(self.table, self.grid, ids)
+        prompt = Prompt(self.table, self.grid, ids, cache=self.key_cache)
         plan = self.planner.plan_save(st.ns, prompt, length, reason)
         if plan is None:
             return False

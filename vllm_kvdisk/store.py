@@ -34,8 +34,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from vllm_kvdisk.format import (Encoded, FormatError, Meta, read_meta, read_text,
-                                HEADER_FIELD_HITS, HEADER_FIELD_LAST_USED)
+from vllm_kvdisk.format import (HEADER_FIELD_HITS, HEADER_FIELD_LAST_USED, Encoded,
+                                FormatError, Meta, read_meta, read_summary, read_text)
 from vllm_kvdisk.index import Entry, Index, Key
 from vllm_kvdisk.keys import Fingerprint
 
@@ -61,12 +61,6 @@ class StoreStats:
 class _NsState:
     mtime_ns: int = -1
     names: set[str] = field(default_factory=set)
-
-
-def entry_from_meta(ns: str, sha1: str, meta: Meta, size: int) -> Entry:
-    h, p = meta.header, meta.payload
-    return Entry(ns, sha1, h.tokens, p.parent_sha1, p.parent_tokens, h.reason, h.hits,
-                 h.created, h.last_used, size, p.token_digest)
 
 
 class Store:
@@ -165,14 +159,25 @@ class Store:
                 os.unlink(de.path)
 
     def _index_file(self, ns: str, sha1: str) -> Entry | None:
+        """Index one file from its first page alone (the hot loop of a start-up scan)."""
         try:
-            with self.open(ns, sha1) as (fd, meta, size):
-                entry = entry_from_meta(ns, sha1, meta, size)
+            fd = os.open(f"{self.root}/{ns}/{sha1}.kv", os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            self.quarantine(ns, sha1, str(exc))
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            sm = read_summary(fd, size)
+            h = sm.header
+            entry = Entry(ns, sha1, h.tokens, sm.parent_sha1, sm.parent_tokens, h.reason, h.hits,
+                          h.created, h.last_used, size, sm.token_digest)
         except (FormatError, OSError) as exc:
             self.quarantine(ns, sha1, str(exc))
             return None
+        finally:
+            os.close(fd)
         self.index.add(entry)
         return entry
 

@@ -1,0 +1,95 @@
+"""The kvdisk command-line tool on a real directory of synthetic checkpoints."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from synth import FP, GRID, byte_table, save
+from vllm_kvdisk.cli import main
+from vllm_kvdisk.planner import Prompt
+from vllm_kvdisk.store import Store
+
+
+@pytest.fixture()
+def cache(tmp_path):
+    store = Store(str(tmp_path / "kv"), space_bytes=1 << 30)
+    ns = store.ensure_namespace(FP)
+    rng = np.random.default_rng(0)
+    text_ids = list(b"System: you are a helpful assistant.\n" * 12)
+    prompt = Prompt(byte_table(), GRID, text_ids)
+    root, _ = save(store, ns, prompt, 112, rng)
+    child, _ = save(store, ns, prompt, 240, rng, tool_map=[("call_1", '{"x": 1}')])
+    return store, ns, root, child
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_ls_table_and_json(cache, capsys):
+    store, ns, root, child = cache
+    code, out, _ = run(capsys, "ls", store.root)
+    assert code == 0 and root.sha1[:12] in out and "System: you are" in out and "cold" in out
+    code, out, _ = run(capsys, "ls", store.root, "--json")
+    rows = json.loads(out)
+    assert {r["sha1"] for r in rows} == {root.sha1, child.sha1}
+    by = {r["sha1"]: r for r in rows}
+    assert by[child.sha1]["parent"] == root.sha1 and by[child.sha1]["tokens"] == 240
+
+
+def test_inspect_shows_header_layout_chain_and_tools(cache, capsys):
+    store, ns, root, child = cache
+    code, out, _ = run(capsys, "inspect", store.path(ns, child.sha1), "--json")
+    info = json.loads(out)
+    assert code == 0
+    assert (info["tokens"], info["parent_tokens"], info["reason"], info["delta"]) == (240, 112, "cold", True)
+    assert [c["sha1"] for c in info["chain"]] == [root.sha1, child.sha1]
+    assert info["tool_ids"] == ["call_1"] and info["layout"]["name"] == "test:LBHNC"
+    code, out, _ = run(capsys, "inspect", store.path(ns, child.sha1))
+    assert "chain" in out and "->" in out
+
+
+def test_verify_reports_and_fixes(cache, capsys):
+    store, ns, root, child = cache
+    assert run(capsys, "verify", store.root)[0] == 0
+    path = store.path(ns, child.sha1)
+    raw = bytearray(open(path, "rb").read())
+    raw[-200] ^= 1
+    open(path, "wb").write(raw)
+    code, out, _ = run(capsys, "verify", store.root)
+    assert code == 1 and "checksum mismatch" in out and os.path.exists(path)  # read-only
+    code, out, _ = run(capsys, "verify", store.root, "--fix", "--json")
+    assert code == 1 and json.loads(out)["fixed"] == 1 and not os.path.exists(path)
+    assert run(capsys, "verify", store.root)[0] == 0
+
+
+def test_gc_and_stats(cache, capsys):
+    store, ns, root, child = cache
+    code, out, _ = run(capsys, "stats", store.root, "--json")
+    stats = json.loads(out)
+    assert stats["files"] == 2 and stats["tokens_stored"] == 240 and stats["by_reason"] == {"cold": 2}
+    code, out, _ = run(capsys, "gc", store.root, "--to-mb", "0")
+    assert code == 0 and "removed 2" in out  # the leaf first, then its parent
+
+
+def test_bad_input_is_a_clear_error_not_a_traceback(tmp_path, capsys):
+    assert run(capsys, "ls", str(tmp_path / "missing"))[0] == 2
+    bogus = tmp_path / ("a" * 40 + ".kv")
+    bogus.write_bytes(b"not a checkpoint")
+    code, _, err = run(capsys, "inspect", str(bogus))
+    assert code == 2 and "not a valid checkpoint" in err
+    code, _, err = run(capsys, "inspect", str(tmp_path / "x.txt"))
+    assert code == 2 and "sha1" in err
+
+
+def test_console_script_runs_without_vllm(cache):
+    store = cache[0]
+    out = subprocess.run([sys.executable, "-m", "vllm_kvdisk.cli", "stats", store.root],
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and "files" in out.stdout
