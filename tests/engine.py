@@ -123,9 +123,9 @@ class Server:
         return total
 
     def stop(self) -> int:
-        """SIGTERM, as Kubernetes does; returns the exit code."""
+        """SIGTERM to the server process only, as Kubernetes does; returns the exit code."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=90)
             except subprocess.TimeoutExpired:

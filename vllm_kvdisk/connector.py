@@ -108,6 +108,23 @@ class KVDiskConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: losing a save costs a future miss, never correctness
 
+    # -- metrics ----------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> Any:
+        return (self._sched or self._worker).stats_snapshot()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None) -> Any:
+        from vllm_kvdisk.metrics import KVDiskStats
+
+        return KVDiskStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        from vllm_kvdisk.metrics import KVDiskPromMetrics
+
+        return KVDiskPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # -- worker role ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._worker.register(kv_caches)
@@ -158,6 +175,11 @@ class KVDiskConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         return self._sched.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        # Keep the engine stepping until saves in flight are reported: the index learns
+        # of them, metrics are current, and a SIGTERM drain waits for them.
+        return self._sched.store.index.has_pending()
 
 
 __all__ = ["KVDiskConnector", "StepMeta"]

@@ -46,12 +46,18 @@ class Entry:
 
 
 class Miss(str, Enum):
+    """Why a lookup found nothing deeper; ``label`` is the metric label value."""
+
     NO_CHECKPOINT = "no checkpoint"
     BELOW_MIN_TOKENS = "below min tokens"
-    TEXT_DIVERGED = "prefix mismatch"
+    PREFIX_MISMATCH = "prefix mismatch"
     TOKENS_DIFFER = "text equal but tokens differ"
     BROKEN_CHAIN = "broken chain"
     OTHER_NAMESPACE = "checkpoint of another model/layout/dtype/salt"
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
 
 
 @dataclass(slots=True)
@@ -153,6 +159,9 @@ class Index:
     def release(self, ns: str, sha1: str) -> None:
         """The save in flight failed or was abandoned."""
         self._pending.pop((ns, sha1), None)
+
+    def has_pending(self) -> bool:
+        return bool(self._pending)
 
     def pending(self, ns: str, sha1: str) -> Entry | None:
         return self._pending.get((ns, sha1))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from vllm_kvdisk.config import KVDiskConfig
 from vllm_kvdisk.format import Reason
 from vllm_kvdisk.index import Entry, Lookup, Miss
 from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta, WorkerReport
+from vllm_kvdisk.metrics import KVDiskStats, StatsRecorder
 from vllm_kvdisk.keys import Fingerprint, Grid, KeyCache, TokenTable, salt_digest
 from vllm_kvdisk.planner import Planner, Prompt
 from vllm_kvdisk.store import Store
@@ -66,9 +68,35 @@ class SchedulerSide:
         self._ns_cache: dict[tuple[str, str], str] = {}
         self._last_refresh = 0.0
         self.key_cache = KeyCache()
+        self.stats = StatsRecorder()
+        self._quarantined_seen = 0
+        self._shutdown_requested = False
+        self._shutdown_saved = False
+        self._watch_shutdown()
         self.kv_cache_manager: Any = None
         log.info("kvdisk: %d checkpoint(s), %d bytes in %s", len(self.store.index),
                  self.store.index.total_bytes, self.store.root)
+
+    def _watch_shutdown(self) -> None:
+        """Learn when vLLM's engine process is told to stop, to checkpoint running requests.
+
+        vLLM installs its SIGTERM/SIGINT handlers in the engine process before it builds the
+        scheduler; we chain ours in front of them. An in-process engine (default handlers)
+        is left alone: its owner's signals are not ours to take.
+        """
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                previous = signal.getsignal(sig)
+                if not callable(previous) or previous is signal.default_int_handler:
+                    continue
+
+                def handler(signum: int, frame: Any, previous: Any = previous) -> None:
+                    self._shutdown_requested = True
+                    previous(signum, frame)
+
+                signal.signal(sig, handler)
+            except ValueError:  # not the main thread
+                return
 
     # -- namespaces -------------------------------------------------------------------
     def _scope(self, request: Any) -> Scope:
@@ -123,13 +151,16 @@ class SchedulerSide:
         lookup, prompt = st.memo, st.memo_prompt
         on_device = st.memo_key[0] if st.memo_key else 0
         st.memo = st.memo_key = st.memo_prompt = None
+        self.stats.add("tokens_looked_up", request.num_prompt_tokens)
         if num_external <= 0:
             if lookup.chain and lookup.tokens <= on_device:
+                self.stats.count("lookups", "device_hit:")
                 self.trace.line(f"device hit for sha1={lookup.chain[-1].sha1} ({on_device} "
                                 f"tokens in the GPU prefix cache cover the {lookup.tokens} on disk)")
             else:
-                self._trace_miss(st, lookup, prompt)
+                self._miss(st, lookup, prompt)
             return
+        self.stats.count("lookups", "hit:")
         hit = lookup.tokens
         local = hit - num_external
         bs = self.block_size
@@ -142,13 +173,19 @@ class SchedulerSide:
         self.trace.line(f"hit for sha1={lookup.chain[-1].sha1} (loading {num_external} tokens "
                         f"from {len(files)} file(s); {local} already in the GPU cache)")
 
-    def _trace_miss(self, st: _Req, lookup: Lookup, prompt: Prompt | None) -> None:
-        if not self.trace.enabled or lookup.miss is None:
+    def _miss(self, st: _Req, lookup: Lookup, prompt: Prompt | None) -> None:
+        miss = lookup.miss or Miss.NO_CHECKPOINT
+        diverged = (miss is Miss.NO_CHECKPOINT and lookup.chain
+                    and self.store.index.children(st.ns, lookup.chain[-1].sha1))
+        if diverged:
+            miss = Miss.PREFIX_MISMATCH  # a deeper checkpoint of this prefix exists
+        self.stats.count("lookups", f"miss:{miss.label}")
+        if not self.trace.enabled:
             return
         key = lookup.miss_key
         sha = key.sha1 if key else "-"
-        detail = lookup.miss.value
-        if lookup.miss is Miss.NO_CHECKPOINT and prompt is not None:
+        detail = miss.value
+        if diverged and prompt is not None:
             detail = self._divergence(st.ns, lookup, prompt) or detail
         elif lookup.miss is Miss.OTHER_NAMESPACE:
             detail += f" ({', '.join(lookup.other_namespaces)})"
@@ -220,9 +257,22 @@ class SchedulerSide:
             if after // interval > before // interval:
                 self._plan_save(st, self.grid.floor(after), Reason.CONTINUED,
                                 self._block_ids(req_id))
+        if self._shutdown_requested and not self._shutdown_saved:
+            self._shutdown_saved = True
+            self._checkpoint_running()
         meta = StepMeta(self._loads, self._saves)
         self._loads, self._saves = [], []
         return meta
+
+    def _checkpoint_running(self) -> None:
+        """Shutdown saves: every running request's computed prefix, in case the drain
+        that follows does not finish before the engine is killed."""
+        for req_id, st in self._reqs.items():
+            if st.loading or st.load_failed:
+                continue
+            length = self.grid.floor(st.request.num_computed_tokens)
+            if length >= self.config.kv_cache_min_tokens:
+                self._plan_save(st, length, Reason.SHUTDOWN, self._block_ids(req_id))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         st = self._reqs.pop(request.request_id, None)
@@ -262,6 +312,17 @@ class SchedulerSide:
             st = self._reqs.get(req_id)
             if st is not None:
                 st.load_failed = True
+
+    def stats_snapshot(self) -> KVDiskStats | None:
+        index, store = self.store.index, self.store
+        self.stats.set("disk_bytes", index.total_bytes)
+        self.stats.set("disk_files", len(index))
+        self.stats.set("disk_budget_bytes", store.space_bytes)
+        new_quarantines = store.stats.quarantined - self._quarantined_seen
+        if new_quarantines:
+            self.stats.add("quarantined", new_quarantines)
+            self._quarantined_seen = store.stats.quarantined
+        return self.stats.snapshot()
 
     def shutdown(self) -> None:
         self.trace.close()

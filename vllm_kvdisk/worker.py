@@ -29,6 +29,7 @@ from vllm_kvdisk.format import FormatError, Payload, encode_checkpoint, read_lay
 from vllm_kvdisk.index import Entry
 from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta, WorkerReport, Written
 from vllm_kvdisk.keys import Fingerprint, token_digest
+from vllm_kvdisk.metrics import KVDiskStats, StatsRecorder
 from vllm_kvdisk.store import Store
 from vllm_kvdisk.trace import Trace
 from vllm_kvdisk.transfer import PageMover, unique_layers
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 class WorkerSide:
     def __init__(self, config: KVDiskConfig, fingerprint: Fingerprint, block_size: int):
         self.config = config
+        self.stats = StatsRecorder()
+        # Token counts are per engine: only rank 0 counts them (bytes are per rank, summed).
+        self._counts_tokens = fingerprint.tp_rank == 0
         self.base_fp = fingerprint
         self.block_size = block_size
         self.trace = Trace(config.trace)
@@ -71,6 +75,7 @@ class WorkerSide:
         return self._fps[key]
 
     def _on_evict(self, entry: Entry) -> None:
+        self.stats.add("evictions")
         with self._lock:
             self._report.removed.append((entry.ns, entry.sha1))
         self.trace.line(f"evicted sha1={entry.sha1} tokens={entry.tokens} bytes={entry.size}")
@@ -90,7 +95,9 @@ class WorkerSide:
             try:
                 loaded_blocks += self._load_file(ns, fp, file, job)
             except Exception as exc:  # noqa: BLE001 - any failure means "recompute"
+                self.stats.count("lookups", "load_failed:")
                 if isinstance(exc, FormatError):
+                    self.stats.add("quarantined")
                     self.store.quarantine(ns, file.sha1, str(exc))
                     with self._lock:
                         self._report.removed.append((ns, file.sha1))
@@ -103,7 +110,11 @@ class WorkerSide:
                                 f"{len(bad)} block(s) will be recomputed)")
                 return bad
             self.store.touch(ns, file.sha1)
-        ms = (time.perf_counter() - t0) * 1000
+        seconds = time.perf_counter() - t0
+        self.stats.observe("load_seconds", seconds)
+        if self._counts_tokens:
+            self.stats.add("tokens_loaded", loaded_blocks * self.block_size)
+        ms = seconds * 1000
         sha = job.files[-1].sha1 if job.files else "-"
         self.trace.line(f"hit for sha1={sha} (loaded {loaded_blocks * self.block_size} tokens "
                         f"from {len(job.files)} file(s), {ms:.0f} ms)")
@@ -134,6 +145,7 @@ class WorkerSide:
             for layer in range(p.layout.num_layers):
                 read_layer_into(fd, meta, layer, view)
                 mover.scatter(layer, targets, buf[skip:])
+            self.stats.add("bytes_read", meta.text_len + meta.offsets.layer_bytes * p.layout.num_layers)
             return len(targets)
 
     # -- saves ------------------------------------------------------------------------
@@ -155,6 +167,7 @@ class WorkerSide:
                 self._inflight[job.sha1] = self.pool.submit(self._save, job, pages, parent)
 
     def _save_failed(self, job: SaveJob, why: str) -> None:
+        self.stats.add("save_failures")
         ns = self._fp(job.scope).dirname()
         with self._lock:
             self._report.failed_saves.append((ns, job.sha1))
@@ -188,7 +201,11 @@ class WorkerSide:
             self._report.written.append(Written(ns, job.sha1, entry.tokens, entry.parent,
                                                 entry.parent_tokens, entry.reason,
                                                 entry.created, entry.size, entry.token_digest))
-        ms = (time.perf_counter() - t0) * 1000
+        seconds = time.perf_counter() - t0
+        self.stats.observe("save_seconds", seconds)
+        self.stats.count("saves", job.reason.name.lower())
+        self.stats.add("bytes_written", entry.size)
+        ms = seconds * 1000
         self.trace.line(f"saved reason={job.reason.name.lower()} sha1={job.sha1} "
                         f"tokens={job.tokens} bytes={entry.size} ms={ms:.0f}")
         return True
@@ -221,6 +238,10 @@ class WorkerSide:
         with self._lock:
             report, self._report = self._report, WorkerReport()
         return report if report else None
+
+    def stats_snapshot(self) -> KVDiskStats | None:
+        self.stats.set("pending_writes", len(self._inflight))
+        return self.stats.snapshot()
 
     def shutdown(self) -> None:
         """Flush: every save already handed to the pool is written before we return."""

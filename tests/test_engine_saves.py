@@ -1,0 +1,72 @@
+"""Save reasons beyond cold: continued checkpoints during long generations, shutdown."""
+
+import threading
+import time
+
+import pytest
+import requests
+
+from engine import Server, engine, generate, random_prompt, trace_lines
+
+pytestmark = pytest.mark.engine
+
+
+def test_continued_checkpoints_during_generation_restore_exactly(tiny_model, tmp_path):
+    kv, trace = str(tmp_path / "kv"), str(tmp_path / "trace.txt")
+    prompt = random_prompt(1500, seed=11)
+    with engine(tiny_model, kv, trace=trace, kv_cache_continued_interval_tokens=512) as llm:
+        out, _ = generate(llm, prompt, max_tokens=600)  # computed tokens cross 1536, 2048
+        saved = {line.split("reason=")[1].split()[0] + ":" + line.split("tokens=")[1].split()[0]
+                 for line in trace_lines(trace, "saved")}
+        # cold at 1408 (the prompt), continued at the grid position below each frontier.
+        assert {"cold:1408", "continued:1920"} <= saved, saved
+        resumed = prompt + out[:500]  # the client resends prompt + most of the answer
+        llm.reset_prefix_cache()
+        tokens, cached = generate(llm, resumed, max_tokens=16)
+    assert cached == 1920
+    with engine(tiny_model, None, prefix_caching=False) as llm:
+        reference, _ = generate(llm, resumed, max_tokens=16)
+    assert tokens == reference
+
+
+def test_sigterm_checkpoints_running_requests_and_the_next_server_resumes(tiny_model, tmp_path):
+    kv, trace, log = str(tmp_path / "kv"), str(tmp_path / "trace.txt"), str(tmp_path / "log")
+    prompt_ids = random_prompt(1000, seed=12)
+    server = Server(tiny_model, kv, log, "--trace", trace)
+    done: dict[str, object] = {}
+
+    def long_request() -> None:
+        try:
+            done["reply"] = requests.post(server.url + "/v1/completions", json={
+                "model": tiny_model, "prompt": prompt_ids, "max_tokens": 3000,
+                "temperature": 0, "ignore_eos": True}, timeout=(5, 10)).json()
+        except requests.RequestException as exc:
+            # The client gives up mid-generation: a draining server cannot finish 3000
+            # tokens within its shutdown timeout, and an open connection would keep
+            # the HTTP server waiting.
+            done["error"] = exc
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not trace_lines(trace, "saved reason=cold") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.5)  # well into the generation, past the next grid positions
+    assert server.stop() == 0
+    worker.join(timeout=120)
+    shutdown = [line for line in trace_lines(trace, "saved reason=shutdown")]
+    assert shutdown, open(trace).read()
+    tokens = int(shutdown[0].split("tokens=")[1].split()[0])
+    assert tokens > 896  # deeper than the prompt's own checkpoint: generated tokens too
+    server = Server(tiny_model, kv, log, "--trace", trace)
+    try:
+        lines_before = len(trace_lines(trace, "hit for"))
+        # Resend the prompt alone: the cold checkpoint (896) hits, and the shutdown one is
+        # on disk as a delta on it.
+        r = requests.post(server.url + "/v1/completions", json={
+            "model": tiny_model, "prompt": prompt_ids, "max_tokens": 4, "temperature": 0},
+            timeout=120).json()
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 896
+        assert len(trace_lines(trace, "hit for")) > lines_before
+    finally:
+        server.stop()

@@ -1,0 +1,82 @@
+"""vllm:kvdisk_* metrics on the server's own /metrics match what happened."""
+
+import glob
+import json
+import os
+import re
+import time
+
+import pytest
+
+from engine import Server, trace_lines
+from test_server import disk_tokens, text
+
+pytestmark = pytest.mark.engine
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def scrape_names(server: Server) -> set[str]:
+    import requests
+
+    body = requests.get(server.url + "/metrics", timeout=30).text
+    return {line.split("{")[0].split(" ")[0] for line in body.splitlines()
+            if line.startswith("vllm:")}
+
+
+def wait_for(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return predicate()
+
+
+def test_metrics_follow_a_chat(tiny_model, tmp_path):
+    kv, trace, log = str(tmp_path / "kv"), str(tmp_path / "trace.txt"), str(tmp_path / "log")
+    server = Server(tiny_model, kv, log, "--trace", trace)
+    m = server.metric
+    try:
+        messages = [{"role": "system", "content": text(0, 900)},
+                    {"role": "user", "content": text(900, 200)}]
+        reply = server.chat(messages)
+        wait_for(lambda: m("vllm:kvdisk_saves_total") >= len(trace_lines(trace, "saved")) > 0)
+        assert m("vllm:kvdisk_tokens_loaded_total") == 0  # nothing on disk before turn 1
+        assert m("vllm:kvdisk_lookups_total", result="miss", reason="no_checkpoint") == 1
+        assert m("vllm:kvdisk_prompt_tokens_looked_up_total") == reply["usage"]["prompt_tokens"]
+        messages += [reply["choices"][0]["message"], {"role": "user", "content": text(1300, 60)}]
+        server.chat(messages)  # the device cache serves it
+        assert m("vllm:kvdisk_lookups_total", result="device_hit") == 1
+        server.reset_device_cache()
+        messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+        before = disk_tokens(server)
+        cached = server.chat(messages)["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert m("vllm:kvdisk_lookups_total", result="hit") == 1
+        loaded = m("vllm:kvdisk_tokens_loaded_total")
+        assert loaded == cached == disk_tokens(server) - before > 0
+        traced = sum(int(re.search(r"loaded (\d+) tokens", line).group(1))
+                     for line in trace_lines(trace, "hit for") if "loaded" in line)
+        assert loaded == traced
+        assert m("vllm:kvdisk_load_seconds_count") == 1
+        assert m("vllm:kvdisk_bytes_read_total") > 0
+        wait_for(lambda: m("vllm:kvdisk_saves_total") == len(trace_lines(trace, "saved")))
+        for reason in ("cold", "continued", "evict", "shutdown"):
+            assert m("vllm:kvdisk_saves_total", reason=reason) == len(
+                trace_lines(trace, f"saved reason={reason}"))
+        files = [p for p in glob.glob(os.path.join(kv, "*", "*.kv")) if "quarantine" not in p]
+        assert m("vllm:kvdisk_disk_files") == len(files)
+        assert m("vllm:kvdisk_disk_bytes") == sum(os.path.getsize(p) for p in files)
+        assert m("vllm:kvdisk_bytes_written_total") == sum(os.path.getsize(p) for p in files)
+        assert m("vllm:kvdisk_save_seconds_count") == len(files)
+        assert m("vllm:kvdisk_disk_budget_bytes") == 8192 * 1024 * 1024
+        assert m("vllm:kvdisk_pending_writes") == 0
+        names = scrape_names(server)
+    finally:
+        server.stop()
+    # Every metric the dashboard and the README use is one the server really exports.
+    dashboard = open(os.path.join(ROOT, "deploy", "grafana", "kvdisk-dashboard.json")).read()
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    used = set(re.findall(r"vllm:kvdisk_[a-z_]+", dashboard + readme))
+    exported = {re.sub(r"_(bucket|count|sum|created)$", "", n) for n in names} | names
+    assert used and used <= exported, sorted(used - exported)
+    assert json.loads(dashboard)["panels"]
