@@ -20,8 +20,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from vllm_kvdisk.config import KVDiskConfig
-from vllm_kvdisk.format import Reason
+from vllm_kvdisk.format import (MAX_KTM_ENTRIES, MAX_TOOL_ID_BYTES, MAX_TOOL_TEXT_BYTES, Reason,
+                                read_tokens)
 from vllm_kvdisk.index import Entry, Lookup, Miss
 from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta, WorkerReport
 from vllm_kvdisk.metrics import KVDiskStats, StatsRecorder
@@ -45,6 +48,24 @@ class _Req:
     memo_prompt: Prompt | None = None
     loading: bool = False
     load_failed: bool = False
+
+
+def tool_entries(request: Any, text: bytes) -> list[tuple[str, str]]:
+    """The (tool-call id, exact text) pairs the request carries whose text the checkpoint
+    contains: they go into the file's KTM section so replay survives restarts."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    pairs = params.get("kvdisk_tool_map") if isinstance(params, dict) else None
+    if not isinstance(pairs, list):
+        return []
+    out = []
+    for pair in pairs[:MAX_KTM_ENTRIES]:
+        if (isinstance(pair, (list, tuple)) and len(pair) == 2
+                and all(isinstance(x, str) for x in pair)
+                and 0 < len(pair[0].encode()) <= MAX_TOOL_ID_BYTES
+                and len(pair[1].encode()) <= MAX_TOOL_TEXT_BYTES
+                and pair[1] and pair[1].encode() in text):
+            out.append((pair[0], pair[1]))
+    return out
 
 
 class SchedulerSide:
@@ -170,29 +191,48 @@ class SchedulerSide:
                  if e.tokens > local]
         self._loads.append(LoadJob(request.request_id, st.scope, files, start, block_ids))
         st.loading = True
-        self.trace.line(f"hit for sha1={lookup.chain[-1].sha1} (loading {num_external} tokens "
-                        f"from {len(files)} file(s); {local} already in the GPU cache)")
+        if self.trace.enabled:
+            deeper = ""
+            if lookup.miss is not None:
+                miss = self._why_not_deeper(st, lookup)
+                deeper = f"; not deeper: {self._detail(st, lookup, miss, prompt)}"
+            self.trace.line(f"hit for sha1={lookup.chain[-1].sha1} (restoring {num_external} tokens "
+                            f"from {len(files)} file(s); {local} already in the GPU cache{deeper})")
+
+    def _why_not_deeper(self, st: _Req, lookup: Lookup) -> Miss:
+        miss = lookup.miss or Miss.NO_CHECKPOINT
+        if (miss is Miss.NO_CHECKPOINT and lookup.chain
+                and self.store.index.children(st.ns, lookup.chain[-1].sha1)):
+            return Miss.PREFIX_MISMATCH  # a deeper checkpoint of this prefix exists
+        return miss
+
+    def _detail(self, st: _Req, lookup: Lookup, miss: Miss, prompt: Prompt | None) -> str:
+        """Human words for the trace; reads a file or two, so only when tracing."""
+        key = lookup.miss_key
+        try:
+            if miss is Miss.PREFIX_MISMATCH and prompt is not None:
+                return self._divergence(st.ns, lookup, prompt) or miss.value
+            if miss is Miss.OTHER_NAMESPACE:
+                return f"{miss.value} ({', '.join(lookup.other_namespaces)})"
+            if miss is Miss.TOKENS_DIFFER and key is not None and prompt is not None:
+                with self.store.open(st.ns, key.sha1) as (fd, meta, _):
+                    theirs = np.frombuffer(read_tokens(fd, meta), dtype="<u4")
+                mine = prompt.ids[: len(theirs)]
+                at = int(np.argmax(mine != theirs)) if len(mine) == len(theirs) else len(mine)
+                return f"{miss.value} at token {at}"
+        except Exception as exc:  # noqa: BLE001 - diagnostics must never fail a request
+            return f"{miss.value} ({exc})"
+        return miss.value
 
     def _miss(self, st: _Req, lookup: Lookup, prompt: Prompt | None) -> None:
-        miss = lookup.miss or Miss.NO_CHECKPOINT
-        diverged = (miss is Miss.NO_CHECKPOINT and lookup.chain
-                    and self.store.index.children(st.ns, lookup.chain[-1].sha1))
-        if diverged:
-            miss = Miss.PREFIX_MISMATCH  # a deeper checkpoint of this prefix exists
+        miss = self._why_not_deeper(st, lookup)
         self.stats.count("lookups", f"miss:{miss.label}")
         if not self.trace.enabled:
             return
-        key = lookup.miss_key
-        sha = key.sha1 if key else "-"
-        detail = miss.value
-        if diverged and prompt is not None:
-            detail = self._divergence(st.ns, lookup, prompt) or detail
-        elif lookup.miss is Miss.OTHER_NAMESPACE:
-            detail += f" ({', '.join(lookup.other_namespaces)})"
-        elif lookup.miss is Miss.TOKENS_DIFFER and key is not None:
-            detail += f" (checkpoint of {key.tokens} tokens)"
+        sha = lookup.miss_key.sha1 if lookup.miss_key else "-"
+        detail = self._detail(st, lookup, miss, prompt)
         if lookup.chain:
-            detail += f"; deepest hit {lookup.tokens} tokens"
+            detail += f"; deepest checkpoint {lookup.tokens} tokens"
         self.trace.line(f"miss for sha1={sha} (reason: {detail})")
 
     def _divergence(self, ns: str, lookup: Lookup, prompt: Prompt) -> str | None:
@@ -201,10 +241,7 @@ class SchedulerSide:
         kids = self.store.index.children(ns, base) if base else []
         best = None
         for kid in kids[:8]:
-            try:
-                text = self.store.read_text(ns, kid.sha1)
-            except Exception:  # noqa: BLE001 - diagnostics must never fail a request
-                continue
+            text = self.store.read_text(ns, kid.sha1)
             common = os.path.commonprefix([text, prompt.text[: len(text)]])
             if best is None or len(common) > best[0]:
                 best = (len(common), kid.sha1)
@@ -228,10 +265,11 @@ class SchedulerSide:
         if len(owned) != (length - plan.parent_tokens) // bs:
             return False
         self.planner.reserve(plan, prompt.digest(length), int(time.time()))
+        text = prompt.text_upto(length)
         self._saves.append(SaveJob(
             request.request_id, st.scope, plan.sha1, length, plan.parent, plan.parent_tokens,
-            reason, list(owned), prompt.text_upto(length), prompt.ids[:length].astype("<u4").tobytes(),
-            self.context_size, release_blocks=release))
+            reason, list(owned), text, prompt.ids[:length].astype("<u4").tobytes(),
+            self.context_size, tool_map=tool_entries(request, text), release_blocks=release))
         return True
 
     def _block_ids(self, req_id: str) -> list[int]:

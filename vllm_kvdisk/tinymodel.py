@@ -82,8 +82,16 @@ CHAT_TEMPLATE = r"""
 """
 
 
-def _params(seed: int, vocab_size: int) -> dict[str, int]:
-    return {"build_version": _BUILD_VERSION, "seed": seed, "vocab_size": vocab_size}
+# The default shape is the tiny test model; benchmarks ask for bigger ones (more KV bytes
+# per token, slower prefill) through the same builder.
+TINY_SHAPE = {"hidden": 256, "layers": 4, "heads": 4, "kv_heads": 2}
+
+
+def _params(seed: int, vocab_size: int, shape: dict[str, int]) -> dict[str, int]:
+    params = {"build_version": _BUILD_VERSION, "seed": seed, "vocab_size": vocab_size}
+    if shape != TINY_SHAPE:  # keep the tiny model's marker (and cached builds) unchanged
+        params.update(shape)
+    return params
 
 
 def _corpus() -> Iterator[str]:
@@ -134,7 +142,7 @@ def _build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return fast
 
 
-def _build(out: pathlib.Path, seed: int, vocab_size: int) -> None:
+def _build(out: pathlib.Path, seed: int, vocab_size: int, shape: dict[str, int]) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -142,12 +150,12 @@ def _build(out: pathlib.Path, seed: int, vocab_size: int) -> None:
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL + _ADDED}
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
+        hidden_size=shape["hidden"],
+        intermediate_size=2 * shape["hidden"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["hidden"] // shape["heads"],
         max_position_embeddings=32768,
         # Large init: at ~0.02 greedy decoding repeats one token, which would hide
         # KV-cache corruption; at 0.5 the output is varied and prompt-sensitive.
@@ -177,11 +185,16 @@ def _build(out: pathlib.Path, seed: int, vocab_size: int) -> None:
 
 
 def build_tiny_model(
-    out_dir: str | os.PathLike[str], *, seed: int = 0, vocab_size: int = 4096
+    out_dir: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    vocab_size: int = 4096,
+    shape: dict[str, int] | None = None,
 ) -> pathlib.Path:
     """Build (or reuse) the tiny model in ``out_dir``; returns its absolute path."""
     out = pathlib.Path(out_dir).resolve()
-    params = _params(seed, vocab_size)
+    shape = {**TINY_SHAPE, **(shape or {})}
+    params = _params(seed, vocab_size, shape)
     marker = out / _MARKER
     try:
         if json.loads(marker.read_text()) == params:
@@ -193,7 +206,7 @@ def build_tiny_model(
     # concurrent builders (e.g. pytest-xdist) never expose a half-written model.
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
     try:
-        _build(tmp, seed, vocab_size)
+        _build(tmp, seed, vocab_size, shape)
         out.mkdir(exist_ok=True)
         marker.unlink(missing_ok=True)
         for f in sorted(tmp.iterdir()):
