@@ -36,6 +36,8 @@ class KVDiskConfig:
     kv_cache_reject_different_quant: bool = False
     trace: str | None = None
     kv_disk_io_threads: int = 4
+    # Host staging buffers kept for reuse between copies (fresh memory is slow to touch).
+    kv_disk_staging_mb: int = 2048
     kv_disk_load_policy: str = "always"
 
     @property
@@ -58,6 +60,7 @@ _MINIMUM = {
     "kv_cache_boundary_align_tokens": 1,
     "tool_memory_max_ids": 0,
     "kv_disk_io_threads": 1,
+    "kv_disk_staging_mb": 0,
 }
 
 

@@ -108,6 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"vllm-kvdisk: {exc}", file=sys.stderr)
         return 2
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "20")
+    # Tool-call replay is an endpoint plugin: vLLM loads those only when VLLM_PLUGINS names them.
+    from vllm_kvdisk.replay_plugin import plugins_env
+
+    os.environ["VLLM_PLUGINS"] = plugins_env(os.environ.get("VLLM_PLUGINS"))
     _patch_cpu_build_version()
     from vllm.entrypoints.cli.main import main as vllm_main
 

@@ -3,8 +3,10 @@
 Each layer's cache is seen as ``[num_blocks, page_bytes]`` bytes (its logical per-block
 contents, whatever the backend packs inside a page), so a page is copied as an opaque unit
 and never reinterpreted. Gathering is one ``index_select`` per layer; scattering one
-``index_copy_``. On a GPU the host side is pinned memory and copies run on a side stream;
-``gather`` returns only after the copy is complete, so the blocks may be freed right after.
+``index_copy_`` (plain numpy row copies for the CPU backend's host-resident layers). The
+caller provides reusable host buffers (see ``staging.py``). On a GPU copies run on a side
+stream; ``gather`` returns only after the copy is complete, so the blocks may be freed
+right after.
 """
 
 from __future__ import annotations
@@ -62,6 +64,12 @@ class PageMover:
         # one block's logical contents whatever the physical strides are.
         self._layers = list(layers)
         self.page_bytes = self.layout.page_bytes
+        # Host-resident contiguous layers (the CPU backend): plain byte views, so copies
+        # are numpy row copies with no allocation at all.
+        self._host: list[np.ndarray] | None = None
+        if self.device.type == "cpu" and all(t.is_contiguous() for t in layers):
+            self._host = [t.view(torch.uint8).reshape(self.num_blocks, -1).numpy()
+                          for t in layers]
         self._pin = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._pin else None
 
@@ -71,35 +79,51 @@ class PageMover:
             raise ValueError(f"block id outside 0..{self.num_blocks - 1}")
         return ids.to(self.device, non_blocking=True) if self._pin else ids
 
-    def gather(self, block_ids: Sequence[int]) -> list[np.ndarray]:
-        """Copy the pages of ``block_ids`` of every layer to host memory, one array per layer."""
+    def gather(self, block_ids: Sequence[int], out: Sequence[np.ndarray]) -> None:
+        """Copy the pages of ``block_ids`` of every layer into ``out`` (one uint8 array of
+        len(block_ids) x page_bytes per layer, e.g. from a StagingPool)."""
+        n = len(block_ids)
+        if self._host is not None:
+            ids = np.asarray(block_ids, dtype=np.int64)
+            if n and (ids.min() < 0 or ids.max() >= self.num_blocks):
+                raise ValueError(f"block id outside 0..{self.num_blocks - 1}")
+            for src, dst in zip(self._host, out):
+                np.take(src, ids, axis=0, out=dst.reshape(n, self.page_bytes))
+            return
         idx = self._index(block_ids)
-        out: list[np.ndarray] = []
-        if self._stream is None:
-            for t in self._layers:
-                pages = torch.index_select(t, 0, idx).contiguous()
-                out.append(pages.view(torch.uint8).reshape(len(idx), self.page_bytes).numpy())
-            return out
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        hosts = []
-        with torch.cuda.stream(self._stream):
-            for t in self._layers:
-                host = torch.empty((len(idx), self.page_bytes), dtype=torch.uint8, pin_memory=True)
-                pages = torch.index_select(t, 0, idx).contiguous()
-                host.copy_(pages.view(torch.uint8).reshape(len(idx), -1), non_blocking=True)
-                hosts.append(host)
-        self._stream.synchronize()
-        return [h.numpy() for h in hosts]
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream) if self._stream is not None else _nullcontext():
+            for t, dst in zip(self._layers, out):
+                pages = torch.index_select(t, 0, idx).contiguous().view(torch.uint8)
+                torch.from_numpy(dst).reshape(n, -1).copy_(pages.reshape(n, -1),
+                                                           non_blocking=False)
+        if self._stream is not None:
+            self._stream.synchronize()
 
     def scatter(self, layer: int, block_ids: Sequence[int], pages: np.ndarray) -> None:
         """Write host ``pages`` (n x page_bytes bytes) into blocks ``block_ids`` of one layer."""
+        n = len(block_ids)
+        if self._host is not None:
+            ids = np.asarray(block_ids, dtype=np.int64)
+            if n and (ids.min() < 0 or ids.max() >= self.num_blocks):
+                raise ValueError(f"block id outside 0..{self.num_blocks - 1}")
+            self._host[layer][ids] = pages.reshape(n, self.page_bytes)
+            return
         idx = self._index(block_ids)
         target = self._layers[layer]
-        src = torch.from_numpy(pages).reshape(-1).view(target.dtype).reshape(
-            len(idx), *target.shape[1:])
+        src = torch.from_numpy(pages).reshape(-1).view(target.dtype).reshape(n, *target.shape[1:])
         if self._stream is None:
             target.index_copy_(0, idx, src)
             return
         with torch.cuda.stream(self._stream):
             target.index_copy_(0, idx, src.to(self.device, non_blocking=True))
         self._stream.synchronize()
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -19,7 +19,7 @@ import hashlib
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ from vllm_kvdisk.index import Entry
 from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta, WorkerReport, Written
 from vllm_kvdisk.keys import Fingerprint, token_digest
 from vllm_kvdisk.metrics import KVDiskStats, StatsRecorder
+from vllm_kvdisk.staging import StagingPool
 from vllm_kvdisk.store import Store
 from vllm_kvdisk.trace import Trace
 from vllm_kvdisk.transfer import PageMover, unique_layers
@@ -49,6 +50,9 @@ class WorkerSide:
         self.store = Store(config.kv_disk_dir, space_bytes=config.space_bytes,
                            min_free_bytes=config.min_free_bytes, on_evict=self._on_evict)
         self.pool = ThreadPoolExecutor(config.kv_disk_io_threads, thread_name_prefix="kvdisk-io")
+        self.staging = StagingPool(config.kv_disk_staging_mb * 1024 * 1024)
+        # Read-ahead for restores: one layer in flight while the previous one is scattered.
+        self._readers = ThreadPoolExecutor(config.kv_disk_io_threads, thread_name_prefix="kvdisk-read")
         self.mover: PageMover | None = None
         self._lock = threading.Lock()
         self._report = WorkerReport()
@@ -140,11 +144,21 @@ class WorkerSide:
             targets = job.block_ids[first_target: first_target + p.num_blocks - skip]
             if len(targets) != p.num_blocks - skip:
                 raise ValueError("load job has fewer target blocks than the file")
-            buf = np.empty((p.num_blocks, mover.page_bytes), dtype=np.uint8)
-            view = memoryview(buf).cast("B")
-            for layer in range(p.layout.num_layers):
-                read_layer_into(fd, meta, layer, view)
-                mover.scatter(layer, targets, buf[skip:])
+            # Two buffers, so layer i+1 is read (and checksummed) while layer i is scattered.
+            flats = [self.staging.get(meta.offsets.layer_bytes) for _ in range(2)]
+            try:
+                pending = self._readers.submit(read_layer_into, fd, meta, 0, memoryview(flats[0]))
+                for layer in range(p.layout.num_layers):
+                    pending.result()
+                    if layer + 1 < p.layout.num_layers:
+                        nxt = memoryview(flats[(layer + 1) % 2])
+                        pending = self._readers.submit(read_layer_into, fd, meta, layer + 1, nxt)
+                    pages = flats[layer % 2].reshape(p.num_blocks, mover.page_bytes)
+                    mover.scatter(layer, targets, pages[skip:])
+            finally:
+                wait([pending])  # never recycle a buffer a read is still filling
+                for flat in flats:
+                    self.staging.put(flat)
             self.stats.add("bytes_read", meta.text_len + meta.offsets.layer_bytes * p.layout.num_layers)
             return len(targets)
 
@@ -152,13 +166,18 @@ class WorkerSide:
     def copy_out_and_save(self, meta: StepMeta) -> None:
         mover = self.mover
         for job in meta.saves:
+            pages: list[np.ndarray] | None = None
             try:
                 if mover is None:
                     raise RuntimeError("KV caches not registered")
-                pages = mover.gather(job.block_ids)
+                nbytes = len(job.block_ids) * mover.page_bytes
+                pages = [self.staging.get(nbytes) for _ in range(mover.layout.num_layers)]
+                mover.gather(job.block_ids, pages)
             except Exception as exc:  # noqa: BLE001
                 log.warning("kvdisk: copy-out for %s failed: %s", job.sha1, exc)
                 self._save_failed(job, str(exc))
+                for buf in pages or ():
+                    self.staging.put(buf)
                 pages = None
             if job.release_blocks:
                 self._held.add(job.req_id)
@@ -197,6 +216,8 @@ class WorkerSide:
             return False
         finally:
             self._inflight.pop(job.sha1, None)
+            for buf in pages:
+                self.staging.put(buf)
         with self._lock:
             self._report.written.append(Written(ns, job.sha1, entry.tokens, entry.parent,
                                                 entry.parent_tokens, entry.reason,
@@ -246,4 +267,5 @@ class WorkerSide:
     def shutdown(self) -> None:
         """Flush: every save already handed to the pool is written before we return."""
         self.pool.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
         self.trace.close()

@@ -1,0 +1,308 @@
+"""Exact tool-call replay: the prompt after a tool call holds the tokens the model sampled.
+
+Unit tests of the map, the planning and the splice; then a real engine behind
+`vllm-kvdisk serve --enable-auto-tool-choice --tool-call-parser hermes`, where a regex
+forces a tool call whose JSON the template would re-serialise differently.
+"""
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+import requests
+
+from engine import Server, trace_lines
+from synth import FP, GRID, byte_table, save
+from vllm_kvdisk.planner import Prompt
+from vllm_kvdisk.replay import (MAP_KEY, DiskToolMaps, ToolMemory, ToolRecord, exact_text,
+                                load_tool_maps, make_signature, plan_replay, sentinel_messages,
+                                splice, strip_stop)
+from vllm_kvdisk.replay_plugin import plugins_env
+from vllm_kvdisk.store import Store
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "unit": {"type": "string"}}}}}]
+# Key order and spacing the template would never write: it renders
+# '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "c", "city": "Rome"}}\n</tool_call>'.
+CALL = '<tool_call>{"arguments":{"unit":"c","city":"Rome"},"name":"get_weather"}</tool_call>'
+FORCE = {"tools": TOOLS, "tool_choice": "auto", "return_token_ids": True,
+         "structured_outputs": {"regex": re.escape(CALL)}}
+TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+WORDS = open(os.path.join(os.path.dirname(os.__file__), "textwrap.py")).read().split()
+BLOCK = 128
+
+
+# -- the map, planning, splicing (no engine) ---------------------------------------------
+def record(text="T", args='{"city": "Rome"}', content=None, origin="memory"):
+    return ToolRecord(text, (7, 8, 9), make_signature(content, [("get_weather", args)]), origin)
+
+
+def assistant(*ids, args='{"city": "Rome"}', content=None):
+    return {"role": "assistant", "content": content,
+            "tool_calls": [{"id": i, "type": "function",
+                            "function": {"name": "get_weather", "arguments": args}} for i in ids]}
+
+
+def test_tool_memory_is_an_lru_that_never_grows_past_its_limit():
+    memory = ToolMemory(3)
+    for i in range(5):
+        memory.put(f"id{i}", record())
+        assert len(memory) <= 3
+    assert [f"id{i}" in memory for i in range(5)] == [False, False, True, True, True]
+    assert memory.get("id2") is not None  # a lookup makes id2 the most recent
+    memory.put("id5", record())
+    assert "id2" in memory and "id3" not in memory and len(memory) == 3
+    # A disk entry never replaces what this process saw itself.
+    assert not memory.add_if_absent("id2", record("other", origin="disk"))
+    assert memory.get("id2").origin == "memory"
+    off = ToolMemory(0)
+    off.put("x", record())
+    assert len(off) == 0
+
+
+def test_only_unchanged_messages_with_known_ids_are_replayed():
+    memory = ToolMemory(10)
+    memory.put("a", record("A"))
+    memory.put("d", record("D", origin="disk"))
+    messages = [{"role": "user", "content": "hi"},
+                assistant("a", args='{ "city" : "Rome" }'),  # JSON-equal: the same call
+                {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+                assistant("a", args='{"city": "Paris"}'),  # the client changed it
+                assistant("a", content="I will look it up."),  # content the model never wrote
+                assistant("zzz"),  # unknown id
+                assistant("a", "zzz"),  # one id unknown: the message is not what was generated
+                assistant("d")]
+    plan = plan_replay(messages, memory, sign=lambda r: None)
+    assert [(r.index, r.ids) for r in plan.replays] == [(1, ["a"]), (7, ["d"])]
+    assert (plan.from_memory, plan.from_disk, plan.missing, plan.changed) == (1, 1, 2, 3)
+    assert plan.summary() == "tool replay: 1 from memory, 1 from disk, 2 missing, 3 changed"
+    assert plan.tool_map() == [["a", "A"], ["d", "D"]]
+    # A disk record is compared once the server's parser has signed it.
+    memory.put("e", ToolRecord("E", None, None, "disk", ("ns", "sha1")))
+    signed = plan_replay([assistant("e")], memory,
+                         sign=lambda r: make_signature(None, [("get_weather", {"city": "Rome"})]))
+    assert [r.ids for r in signed.replays] == [["e"]] and signed.from_disk == 1
+    memory.put("f", ToolRecord("F", None, None, "disk", ("ns", "sha1")))
+    unparsable = plan_replay([assistant("f")], memory, sign=lambda r: None)
+    assert not unparsable.replays and unparsable.changed == 1
+
+
+def test_splice_puts_the_sampled_tokens_where_the_sentinel_was():
+    memory = ToolMemory(10)
+    memory.put("a", record("<call a>"))
+    messages = [{"role": "user", "content": "q"}, assistant("a"), {"role": "user", "content": "r"}]
+    plan = plan_replay(messages, memory, sign=lambda r: None)
+    swapped, sentinels = sentinel_messages(messages, plan.replays)
+    assert swapped[1] == {"role": "assistant", "content": sentinels[0]} and messages[1]["tool_calls"]
+    encode = lambda s: [ord(c) for c in s]  # noqa: E731
+    text = f"<u>q</u><a>{sentinels[0]}</a><u>r</u>"
+    ids, exact = splice(text, sentinels, plan.replays, encode)
+    assert exact == "<u>q</u><a><call a></a><u>r</u>"
+    assert ids == encode("<u>q</u><a>") + [7, 8, 9] + encode("</a><u>r</u>")
+    assert splice("no sentinel here", sentinels, plan.replays, encode) is None
+    assert splice(text + sentinels[0], sentinels, plan.replays, encode) is None
+    plan.replays[0].record.token_ids = None  # text only: the exact text is tokenized
+    assert splice(text, sentinels, plan.replays, encode)[0] == encode(exact)
+
+
+def test_exact_text_is_the_checkpoint_text_of_the_sampled_ids():
+    table = byte_table()
+    assert strip_stop([104, 105, 0, 1, 1], special_ids={1}) == [104, 105, 0]
+    assert exact_text(table, [104, 105, 257]) == "hié"
+    assert exact_text(table, [104, 259]) is None  # cut inside a character
+    assert exact_text(table, []) is None
+
+
+def test_tool_maps_are_rebuilt_from_the_ktm_sections_on_disk(tmp_path):
+    root = str(tmp_path / "cache")
+    store = Store(root, space_bytes=1 << 30)
+    ns = store.ensure_namespace(FP)
+    table, rng = byte_table(), np.random.default_rng(0)
+    ids = np.random.default_rng(1).integers(97, 123, 300)
+    ids[100:110] = [ord(c) for c in "<call one>"]
+    prompt = Prompt(table, GRID, ids)
+    save(store, ns, prompt, 112, rng, tool_map=[("one", "<call one>")], now=1_000)
+    save(store, ns, prompt, 240, rng, tool_map=[("one", "<call one>"), ("two", "ne>")], now=2_000)
+    with open(os.path.join(store.ns_dir(ns), "0" * 40 + ".kv"), "wb") as fh:
+        fh.write(b"KVC garbage")  # unreadable files are skipped, never moved (read-only)
+    pairs = load_tool_maps(root)
+    assert sorted(pairs) == [("one", "<call one>"), ("two", "ne>")]
+    assert os.path.exists(os.path.join(store.ns_dir(ns), "0" * 40 + ".kv"))
+    disk = DiskToolMaps(root)
+    found = {tid: (n, s) for tid, _, n, s in disk.poll()}
+    assert disk.poll() == []  # each file is read once
+    assert disk.recover_tokens(*found["one"], "<call one>", table) == tuple(ids[100:110])
+    assert disk.recover_tokens(*found["one"], "not there", table) is None
+    assert load_tool_maps(str(tmp_path / "missing")) == []
+
+
+def test_plugins_env_enables_the_endpoint_plugin_and_keeps_the_others():
+    names = plugins_env(None).split(",")
+    assert "kvdisk" in names and "kvdisk_replay" in names
+    assert plugins_env("other") == "other,kvdisk,kvdisk_replay"
+    assert plugins_env("kvdisk_replay,kvdisk") == "kvdisk_replay,kvdisk"
+
+
+# -- a real engine -----------------------------------------------------------------------
+def text(start: int, n: int) -> str:
+    return " ".join(WORDS[start: start + n])
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def tokenize(server, messages: list[dict]) -> list[int]:
+    r = requests.post(server.url + "/tokenize", json={
+        "model": server.model, "messages": messages, "tools": TOOLS}, timeout=60)
+    r.raise_for_status()
+    return r.json()["tokens"]
+
+
+def first_turn(server) -> list[dict]:
+    """A prompt whose tool call crosses a 128-token block boundary and ends before the next
+    checkpoint position (grid 128 + 256k): ids 0 mod 256 in 208..238 do."""
+    for extra in range(0, 400, 3):
+        messages = [{"role": "system", "content": text(0, 380)},
+                    {"role": "user", "content": "Weather in Rome? " + text(400, 60 + extra)}]
+        if 208 <= len(tokenize(server, messages)) % 256 <= 238:
+            return messages
+    raise AssertionError("no prompt length fits the grid")
+
+
+def turn_two(messages: list[dict], call: dict, content=None) -> list[dict]:
+    return messages + [{"role": "assistant", "content": content, "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": call["id"], "content": text(700, 160)}]
+
+
+def cached(reply: dict) -> int:
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def sampled_ids(reply: dict) -> list[int]:
+    """The generated ids without the EOS the grammar forced at the end."""
+    ids = reply["choices"][0]["token_ids"]
+    assert ids[-1] == 1  # </s>
+    return ids[:-1]
+
+
+def replay_lines(trace: str) -> list[str]:
+    return [line.split("KV cache: ")[1].strip() for line in trace_lines(trace, "tool replay")]
+
+
+@pytest.mark.engine
+def test_replayed_tool_call_extends_the_cache_hit_and_survives_a_restart(tiny_model, tmp_path):
+    trace, log = str(tmp_path / "trace.txt"), str(tmp_path / "log")
+    # Without replay (tool memory off) the template's JSON differs from the sampled one:
+    # the prompt of turn 2 leaves turn 1's tokens one token into the call.
+    server = Server(tiny_model, str(tmp_path / "kv-off"), log, *TOOL_ARGS,
+                    "--tool-memory-max-ids", "0")
+    try:
+        messages = first_turn(server)
+        p1 = tokenize(server, messages)
+        reply = server.chat(messages, max_tokens=80, **FORCE)
+        call = reply["choices"][0]["message"]["tool_calls"][0]
+        assert json.loads(call["function"]["arguments"]) == {"unit": "c", "city": "Rome"}
+        sampled = sampled_ids(reply)
+        off_shared = shared_prefix(tokenize(server, turn_two(messages, call)), p1 + sampled)
+        assert len(p1) <= off_shared < len(p1) + 4
+        off_cached = cached(server.chat(turn_two(messages, call), max_tokens=4, tools=TOOLS))
+        assert off_cached <= off_shared
+    finally:
+        assert server.stop() == 0
+
+    kv = str(tmp_path / "kv")
+    server = Server(tiny_model, kv, log, *TOOL_ARGS, "--trace", trace)
+    try:
+        reply = server.chat(messages, max_tokens=80, **FORCE)
+        call = reply["choices"][0]["message"]["tool_calls"][0]
+        assert sampled_ids(reply) == sampled  # greedy: the same call, a new id
+        prompt2 = tokenize(server, turn_two(messages, call))
+        assert prompt2[:len(p1) + len(sampled)] == p1 + sampled  # token for token
+        turn2 = server.chat(turn_two(messages, call), max_tokens=4, tools=TOOLS,
+                            kv_transfer_params={"client": "kept"})  # merged with ours
+        assert turn2["usage"]["prompt_tokens"] == len(prompt2)
+        on_cached = cached(turn2)
+        assert on_cached == (len(p1) + len(sampled)) // BLOCK * BLOCK > off_cached
+        assert replay_lines(trace) == ["tool replay: 1 from memory, 0 from disk, 0 missing, 0 changed"]
+    finally:
+        assert server.stop() == 0
+    # The turn-2 checkpoint past the call holds it in its KTM section.
+    assert (call["id"], CALL) in load_tool_maps(kv)
+
+    server = Server(tiny_model, kv, log, *TOOL_ARGS, "--trace", trace)  # empty GPU cache
+    try:
+        assert tokenize(server, turn_two(messages, call)) == prompt2
+        restarted = cached(server.chat(turn_two(messages, call), max_tokens=4, tools=TOOLS))
+        next_grid = (len(p1) + len(sampled)) // 256 * 256 + 128
+        assert restarted >= next_grid > len(p1) + len(sampled) > off_cached
+        assert replay_lines(trace)[-1] == "tool replay: 0 from memory, 1 from disk, 0 missing, 0 changed"
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.mark.engine
+def test_streamed_calls_replay_and_changed_arguments_render_as_usual(tiny_model, tmp_path):
+    trace = str(tmp_path / "trace.txt")
+    server = Server(tiny_model, str(tmp_path / "kv"), str(tmp_path / "log"), *TOOL_ARGS,
+                    "--trace", trace)
+    try:
+        messages = first_turn(server)
+        p1 = tokenize(server, messages)
+        body = {"model": server.model, "messages": messages, "max_tokens": 80, "temperature": 0,
+                "stream": True, **FORCE}
+        call, sampled = {"type": "function", "function": {"name": "", "arguments": ""}}, []
+        with requests.post(server.url + "/v1/chat/completions", json=body, stream=True,
+                           timeout=120) as r:
+            for line in r.iter_lines():
+                if not line.startswith(b"data: {"):
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                sampled += choice.get("token_ids") or []
+                for tc in choice["delta"].get("tool_calls") or []:
+                    call["id"] = call.get("id") or tc.get("id")
+                    fn = tc.get("function") or {}
+                    call["function"]["name"] += fn.get("name") or ""
+                    call["function"]["arguments"] += fn.get("arguments") or ""
+        assert call["id"] and sampled[-1] == 1
+        assert tokenize(server, turn_two(messages, call))[:len(p1) + len(sampled) - 1] == p1 + sampled[:-1]
+
+        # JSON-equal arguments in another order are the same call: replayed.
+        reordered = dict(call, function={"name": "get_weather",
+                                         "arguments": '{"city": "Rome", "unit": "c"}'})
+        assert tokenize(server, turn_two(messages, reordered)) == tokenize(server, turn_two(messages, call))
+        # Other arguments under the same id: rendered as usual, like an unknown id.
+        changed = dict(call, function={"name": "get_weather",
+                                       "arguments": '{"city": "Paris", "unit": "c"}'})
+        unknown = dict(changed, id="call-never-seen")
+        as_usual = tokenize(server, turn_two(messages, unknown))
+        assert tokenize(server, turn_two(messages, changed)) == as_usual
+        assert shared_prefix(as_usual, p1 + sampled) < len(p1) + 4
+        # Content the model never wrote is a change too.
+        assert tokenize(server, turn_two(messages, call, content="Let me check.")) == \
+            tokenize(server, turn_two(messages, dict(call, id="x"), content="Let me check."))
+        server.chat(turn_two(messages, changed), max_tokens=2, tools=TOOLS)
+        server.chat(turn_two(messages, unknown), max_tokens=2, tools=TOOLS)
+        assert replay_lines(trace) == [
+            "tool replay: 0 from memory, 0 from disk, 0 missing, 1 changed",
+            "tool replay: 0 from memory, 0 from disk, 1 missing, 0 changed"]
+    finally:
+        assert server.stop() == 0
+
+
+def test_map_key_is_the_one_the_connector_reads():
+    from vllm_kvdisk.scheduler import tool_entries
+
+    class Request:
+        kv_transfer_params = {"client": 1, MAP_KEY: [["id-1", "<call>"], ["id-2", "absent"]]}
+
+    assert tool_entries(Request(), b"prompt <call> rest") == [("id-1", "<call>")]

@@ -1,0 +1,404 @@
+"""vLLM glue for exact tool-call replay (:mod:`vllm_kvdisk.replay`), API-server process only.
+
+It is a ``vllm.endpoint_plugins`` entry point named ``kvdisk_replay``. vLLM loads endpoint
+plugins only when ``VLLM_PLUGINS`` names them (and that variable then also filters the
+general plugins, so it must name ``kvdisk`` too); ``vllm-kvdisk serve`` sets it. With plain
+``vllm serve``::
+
+    VLLM_PLUGINS=kvdisk,kvdisk_replay vllm serve MODEL --kv-transfer-config '{"kv_connector":"kvdisk",...}' \
+        --enable-auto-tool-choice --tool-call-parser hermes
+
+It adds no route. ``init_state`` wraps, on the app's own handler objects (instance
+attributes; no vLLM class is patched):
+
+* ``OpenAIServingChat.render_chat_request``: plans the replay (which assistant messages
+  carry known ids with unchanged arguments), renders, then adds ``kvdisk_tool_map`` to the
+  request's ``kv_transfer_params`` (merged with the client's) and writes the trace line;
+* the renderer's ``render_messages_async``: renders replayed messages as sentinels and
+  splices the sampled token ids in their place (a token prompt, so vLLM does not
+  re-tokenize);
+* ``chat_completion_full_generator`` / ``chat_completion_stream_generator``: see each
+  response's tool-call ids (as sent to the client, streamed or not) beside the token ids the
+  engine sampled, and remember them;
+* ``ServingTokenization.create_tokenize``: ``/tokenize`` shows the same prompt as a chat.
+
+Settings come from the kvdisk ``kv_connector_extra_config`` the engine was started with:
+``kv_disk_dir`` (KTM sections are read from it at start-up, in a thread),
+``tool_memory_max_ids`` (0 turns replay off) and ``trace``. Nothing here can fail a request:
+any error renders the request as usual and is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import logging
+import threading
+import time
+from importlib.metadata import entry_points
+from typing import Any
+
+from vllm_kvdisk.replay import (MAP_KEY, DiskToolMaps, Plan, Signature, ToolMemory, ToolRecord,
+                                exact_text, make_signature, message_tool_ids, plan_replay,
+                                sentinel_messages, splice, strip_stop)
+
+log = logging.getLogger(__name__)
+
+PLUGIN_NAME = "kvdisk_replay"
+GENERAL_PLUGIN_NAME = "kvdisk"
+DISK_POLL_INTERVAL_S = 2.0
+STARTUP_LOAD_WAIT_S = 30.0
+_ACTIVE: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("kvdisk_replay", default=None)
+
+
+def plugins_env(current: str | None) -> str:
+    """A ``VLLM_PLUGINS`` value that enables this plugin and changes nothing else: unset
+    means "every installed plugin", so list them all (endpoint plugins excepted: those were
+    off)."""
+    if current is not None:
+        names = [n for n in current.split(",") if n]
+    else:
+        names = []
+        for group in ("vllm.general_plugins", "vllm.platform_plugins",
+                      "vllm.io_processor_plugins", "vllm.stat_logger_plugins"):
+            names += [ep.name for ep in entry_points(group=group)]
+    for name in (GENERAL_PLUGIN_NAME, PLUGIN_NAME):
+        if name not in names:
+            names.append(name)
+    return ",".join(dict.fromkeys(names))
+
+
+class ReplayPlugin:
+    """The ``vllm.endpoint_plugins`` factory (see ``vllm/plugins/endpoint_plugins``)."""
+
+    name = PLUGIN_NAME
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: Any) -> None:  # no routes: it only wraps handlers
+        return None
+
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        chat = getattr(state, "openai_serving_chat", None)
+        if engine_client is None or chat is None:
+            return
+        config = kvdisk_config(engine_client.vllm_config)
+        if config is None:
+            log.warning("kvdisk replay: the kvdisk connector is not configured; tool-call "
+                        "replay is off")
+            return
+        if config.tool_memory_max_ids == 0:
+            log.info("kvdisk replay: tool_memory_max_ids is 0; tool-call replay is off")
+            return
+        try:
+            replayer = Replayer(config, engine_client.renderer, chat)
+        except Exception as exc:  # noqa: BLE001 - never stop the server for an optional feature
+            log.warning("kvdisk replay: off (%s)", exc)
+            return
+        replayer.install(chat, getattr(state, "serving_tokenization", None))
+        state.kvdisk_replayer = replayer
+
+
+def kvdisk_config(vllm_config: Any) -> Any:
+    from vllm_kvdisk.config import load_config
+
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is None or (transfer.kv_connector != "kvdisk" and getattr(
+            transfer, "kv_connector_module_path", None) != "vllm_kvdisk.connector"):
+        return None
+    return load_config(dict(transfer.kv_connector_extra_config or {}))
+
+
+class Replayer:
+    def __init__(self, config: Any, renderer: Any, chat: Any):
+        from vllm_kvdisk.tokens import table_from_tokenizer
+        from vllm_kvdisk.trace import Trace
+
+        self.renderer = renderer
+        self.tokenizer = renderer.get_tokenizer()
+        self.table = table_from_tokenizer(self.tokenizer)
+        self.special_ids = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+        self.chat = chat
+        self.memory = ToolMemory(config.tool_memory_max_ids)
+        self.trace = Trace(config.trace)
+        self.disk = DiskToolMaps(config.kv_disk_dir)
+        self._loaded = threading.Event()
+        self._last_poll = 0.0
+        threading.Thread(target=self._initial_load, name="kvdisk-replay-load", daemon=True).start()
+
+    # -- disk ---------------------------------------------------------------------------
+    def _initial_load(self) -> None:
+        started = time.monotonic()
+        try:
+            added = self._poll_disk()
+            log.info("kvdisk replay: %d tool-call id(s) from disk in %.2f s", added,
+                     time.monotonic() - started)
+        except Exception:  # noqa: BLE001
+            log.exception("kvdisk replay: reading tool maps failed")
+        finally:
+            self._loaded.set()
+
+    def _poll_disk(self) -> int:
+        self._last_poll = time.monotonic()
+        added = 0
+        for tid, text, ns, sha1 in self.disk.poll():
+            added += self.memory.add_if_absent(
+                tid, ToolRecord(text, None, None, origin="disk", source=(ns, sha1)))
+        return added
+
+    async def _refresh_for(self, ids: list[str]) -> None:
+        """Unknown ids: wait for the start-up load, and look for files written since."""
+        if all(tid in self.memory for tid in ids):
+            return
+        if not self._loaded.is_set():
+            await asyncio.to_thread(self._loaded.wait, STARTUP_LOAD_WAIT_S)
+        elif time.monotonic() - self._last_poll >= DISK_POLL_INTERVAL_S:
+            await asyncio.to_thread(self._poll_disk)
+
+    # -- planning -----------------------------------------------------------------------
+    def _sign(self, record: ToolRecord, tools: Any) -> Signature | None:
+        """A disk record's text parsed by the server's own tool parser, as the response
+        that produced it was."""
+        parser_cls = getattr(self.chat, "parser_cls", None)
+        if parser_cls is None:
+            return None
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        try:
+            tool_dicts = [t.model_dump() if hasattr(t, "model_dump") else t for t in tools or []]
+            request = ChatCompletionRequest(messages=[{"role": "user", "content": ""}],
+                                            tools=tool_dicts or None, tool_choice="auto")
+            parser = parser_cls(self.tokenizer, request.tools, chat_template_kwargs={},
+                                model_config=self.chat.model_config)
+            reasoning, content, calls = parser.parse(record.text, request, enable_auto_tools=True)
+        except Exception as exc:  # noqa: BLE001 - a parser failure means "do not replay"
+            log.debug("kvdisk replay: cannot parse a recorded tool call: %s", exc)
+            return None
+        if not calls:
+            return None
+        return make_signature(content, [(c.name, c.arguments) for c in calls], reasoning)
+
+    async def prepare(self, request: Any) -> Plan | None:
+        messages = list(getattr(request, "messages", None) or [])
+        ids = [tid for m in messages for tid in message_tool_ids(m)]
+        if not ids:
+            return None
+        await self._refresh_for(ids)
+        tools = getattr(request, "tools", None)
+        plan = plan_replay(messages, self.memory, lambda r: self._sign(r, tools))
+        if getattr(request, "add_special_tokens", False) and plan.replays:
+            plan.fallback, plan.replays = "add_special_tokens is set", []
+        for replay in plan.replays:
+            record = replay.record
+            if record.token_ids is None and record.source is not None:
+                record.token_ids = await asyncio.to_thread(
+                    self.disk.recover_tokens, *record.source, record.text, self.table)
+        return plan
+
+    def finish(self, request: Any, plan: Plan) -> None:
+        self.trace.line(plan.summary())
+        if not plan.replays or not hasattr(request, "kv_transfer_params"):
+            return
+        params = dict(request.kv_transfer_params or {})
+        params[MAP_KEY] = plan.tool_map()
+        request.kv_transfer_params = params
+
+    # -- rendering ----------------------------------------------------------------------
+    async def render(self, original: Any, messages: Any, params: Any) -> Any:
+        plan = _ACTIVE.get()
+        if plan is None or not plan.replays:
+            return await original(messages, params)
+        swapped, sentinels = sentinel_messages(messages, plan.replays)
+        try:
+            conversation, prompt = await original(swapped, params)
+            text = prompt.get("prompt") if isinstance(prompt, dict) else None
+            if (not isinstance(text, str) or "prompt_token_ids" in prompt
+                    or "multi_modal_data" in prompt):
+                result, why = None, "the renderer does not produce text"
+            else:
+                encode = lambda s: list(self.tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
+                result = await asyncio.to_thread(splice, text, sentinels, plan.replays, encode)
+                why = "the chat template did not render a replayed message verbatim"
+        except Exception as exc:  # noqa: BLE001 - e.g. a template that insists on tool_calls
+            result, why = None, f"rendering failed: {exc}"
+        if result is None:
+            plan.fallback, plan.replays = why, []
+            return await original(messages, params)
+        ids, text = result
+        out = {k: v for k, v in prompt.items() if k != "prompt"}
+        out.update(prompt_token_ids=ids, prompt=text)
+        by_sentinel = {s: r.record.text for s, r in zip(sentinels, plan.replays)}
+        for message in conversation:
+            if isinstance(message, dict) and message.get("content") in by_sentinel:
+                message["content"] = by_sentinel[message["content"]]
+        return conversation, out
+
+    # -- capture ------------------------------------------------------------------------
+    def remember(self, token_ids: list[int], ids: list[str], signature: Signature) -> None:
+        if not ids or signature.reasoning:
+            return  # reasoning turns: templates drop or reformat reasoning; never replayed
+        sampled = strip_stop(token_ids, self.special_ids)
+        text = exact_text(self.table, sampled)
+        if text is None:
+            return
+        record = ToolRecord(text, tuple(sampled), signature, origin="memory")
+        for tid in ids:
+            self.memory.put(tid, record)
+
+    def remember_response(self, response: Any, tap: _Tap) -> None:
+        for choice in getattr(response, "choices", None) or []:
+            message = getattr(choice, "message", None)
+            calls = getattr(message, "tool_calls", None) or []
+            if not calls:
+                continue
+            signature = make_signature(
+                message.content, [(c.function.name, c.function.arguments) for c in calls],
+                getattr(message, "reasoning", None))
+            self.remember(tap.tokens.get(choice.index, []), [c.id for c in calls], signature)
+
+    # -- installation -------------------------------------------------------------------
+    def install(self, chat: Any, tokenization: Any) -> None:
+        replayer = self
+        render_original = self.renderer.render_messages_async
+
+        async def render_messages_async(messages, params):
+            return await replayer.render(render_original, messages, params)
+
+        self.renderer.render_messages_async = render_messages_async
+
+        render_chat_request = chat.render_chat_request
+
+        async def planned_render_chat_request(request):
+            plan = await replayer._safe_prepare(request)
+            token = _ACTIVE.set(plan)
+            try:
+                result = await render_chat_request(request)
+            finally:
+                _ACTIVE.reset(token)
+            if plan is not None and isinstance(result, tuple):
+                replayer.finish(request, plan)
+            return result
+
+        chat.render_chat_request = planned_render_chat_request
+
+        full_generator = chat.chat_completion_full_generator
+
+        async def chat_completion_full_generator(request, result_generator, *args, **kwargs):
+            tap = _Tap(result_generator, delta=False)
+            response = await full_generator(request, tap, *args, **kwargs)
+            try:
+                replayer.remember_response(response, tap)
+            except Exception:  # noqa: BLE001
+                log.exception("kvdisk replay: could not record a response")
+            return response
+
+        chat.chat_completion_full_generator = chat_completion_full_generator
+
+        stream_generator = chat.chat_completion_stream_generator
+
+        def chat_completion_stream_generator(request, result_generator, *args, **kwargs):
+            tap = _Tap(result_generator, delta=True)
+            return _capture_stream(replayer, stream_generator(request, tap, *args, **kwargs), tap)
+
+        chat.chat_completion_stream_generator = chat_completion_stream_generator
+
+        if tokenization is not None:
+            create_tokenize = tokenization.create_tokenize
+
+            async def planned_create_tokenize(request, raw_request):
+                plan = await replayer._safe_prepare(request)
+                token = _ACTIVE.set(plan)
+                try:
+                    return await create_tokenize(request, raw_request)
+                finally:
+                    _ACTIVE.reset(token)
+
+            tokenization.create_tokenize = planned_create_tokenize
+
+    async def _safe_prepare(self, request: Any) -> Plan | None:
+        try:
+            return await self.prepare(request)
+        except Exception:  # noqa: BLE001
+            log.exception("kvdisk replay: planning failed; rendering as usual")
+            return None
+
+
+class _Tap:
+    """Passes the engine's outputs through and keeps each choice's sampled token ids."""
+
+    def __init__(self, source: Any, *, delta: bool):
+        self._source = source
+        self._delta = delta
+        self.tokens: dict[int, list[int]] = {}
+
+    def __aiter__(self) -> _Tap:
+        return self
+
+    async def __anext__(self) -> Any:
+        out = await self._source.__anext__()
+        for output in getattr(out, "outputs", None) or []:
+            ids = list(output.token_ids or [])
+            if self._delta:
+                self.tokens.setdefault(output.index, []).extend(ids)
+            else:
+                self.tokens[output.index] = ids
+        return out
+
+    async def aclose(self) -> None:
+        close = getattr(self._source, "aclose", None)
+        if close is not None:
+            await close()
+
+
+async def _capture_stream(replayer: Replayer, stream: Any, tap: _Tap):
+    """Yields the SSE stream unchanged; before ``[DONE]`` remembers each choice's tool calls
+    as the client received them (ids, names, concatenated argument deltas)."""
+    choices: dict[int, dict[str, Any]] = {}
+    try:
+        async for chunk in stream:
+            if isinstance(chunk, str) and chunk.startswith("data: "):
+                body = chunk[6:].strip()
+                if body == "[DONE]":
+                    _remember_stream(replayer, choices, tap)
+                else:
+                    _accumulate(choices, body)
+            yield chunk
+    finally:
+        await stream.aclose()
+
+
+def _accumulate(choices: dict[int, dict[str, Any]], body: str) -> None:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return
+    for choice in data.get("choices") or []:
+        delta = choice.get("delta") or {}
+        state = choices.setdefault(choice.get("index", 0),
+                                   {"content": [], "reasoning": [], "calls": {}})
+        if delta.get("content"):
+            state["content"].append(delta["content"])
+        for key in ("reasoning", "reasoning_content"):
+            if delta.get(key):
+                state["reasoning"].append(delta[key])
+        for tc in delta.get("tool_calls") or []:
+            call = state["calls"].setdefault(tc.get("index", 0), {"id": None, "name": "", "args": []})
+            call["id"] = call["id"] or tc.get("id")
+            fn = tc.get("function") or {}
+            call["name"] = call["name"] or fn.get("name") or ""
+            if fn.get("arguments"):
+                call["args"].append(fn["arguments"])
+
+
+def _remember_stream(replayer: Replayer, choices: dict[int, dict[str, Any]], tap: _Tap) -> None:
+    try:
+        for index, state in choices.items():
+            calls = [state["calls"][k] for k in sorted(state["calls"])]
+            if not calls or not all(c["id"] for c in calls):
+                continue
+            signature = make_signature("".join(state["content"]),
+                                       [(c["name"], "".join(c["args"])) for c in calls],
+                                       "".join(state["reasoning"]))
+            replayer.remember(tap.tokens.get(index, []), [c["id"] for c in calls], signature)
+    except Exception:  # noqa: BLE001
+        log.exception("kvdisk replay: could not record a streamed response")
