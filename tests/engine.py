@@ -16,7 +16,9 @@ import numpy as np
 import requests
 
 ALIGN = 256  # small grid so tests stay fast: checkpoints at 128, 384, 640, ... (block 128)
-CFG = {"kv_cache_boundary_align_tokens": ALIGN, "kv_cache_min_tokens": 128}
+# "always": tests assert exact hit counts; the cost-aware default is tested on its own.
+CFG = {"kv_cache_boundary_align_tokens": ALIGN, "kv_cache_min_tokens": 128,
+       "kv_disk_load_policy": "always"}
 
 
 def random_prompt(n: int, seed: int) -> list[int]:
@@ -76,6 +78,7 @@ class Server:
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
                "--max-model-len", "8192", "--enforce-eager", "--kv-disk-dir", kv_dir,
                "--kv-cache-boundary-align-tokens", str(ALIGN), "--kv-cache-min-tokens", "128",
+               "--kv-disk-load-policy", "always",
                "--shutdown-timeout", "20", *args]
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,

@@ -70,3 +70,31 @@ def test_sigterm_checkpoints_running_requests_and_the_next_server_resumes(tiny_m
         assert len(trace_lines(trace, "hit for")) > lines_before
     finally:
         server.stop()
+
+
+def test_auto_policy_recomputes_when_the_store_is_slow(tiny_model, tmp_path, monkeypatch):
+    """A throttled store (injected: each layer read sleeps) makes loading slower than this
+    engine's prefill; after measuring one restore, `auto` recomputes instead."""
+    import vllm_kvdisk.worker as worker_mod
+
+    real_read = worker_mod.read_layer_into
+
+    def slow_read(*args, **kwargs):
+        time.sleep(0.25)
+        return real_read(*args, **kwargs)
+
+    monkeypatch.setattr(worker_mod, "read_layer_into", slow_read)
+    kv, trace = str(tmp_path / "kv"), str(tmp_path / "trace.txt")
+    first, second = random_prompt(1500, seed=40), random_prompt(1500, seed=41)
+    with engine(tiny_model, kv, trace=trace, kv_disk_load_policy="auto") as llm:
+        generate(llm, first)
+        generate(llm, second)  # both prefills are timed: the policy knows prefill speed
+        llm.reset_prefix_cache()
+        _, cached_first = generate(llm, first)  # no load measured yet: it loads (slowly)
+        llm.reset_prefix_cache()
+        tokens, cached_second = generate(llm, second)  # now it knows: recompute
+    assert cached_first == 1408 and cached_second == 0
+    assert "cheaper to recompute: load" in trace_lines(trace, "miss for")[-1]
+    with engine(tiny_model, None, prefix_caching=False) as llm:
+        reference, _ = generate(llm, second)
+    assert tokens == reference

@@ -38,7 +38,7 @@ class KVDiskConfig:
     kv_disk_io_threads: int = 4
     # Host staging buffers kept for reuse between copies (fresh memory is slow to touch).
     kv_disk_staging_mb: int = 2048
-    kv_disk_load_policy: str = "always"
+    kv_disk_load_policy: str = "auto"
 
     @property
     def space_bytes(self) -> int:

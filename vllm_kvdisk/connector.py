@@ -138,7 +138,12 @@ class KVDiskConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return  # pages are copied whole in wait_for_save (also works under CUDA graphs)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._worker.step_started(connector_metadata)
+
     def wait_for_save(self) -> None:
+        self._worker.step_computed()  # the forward is done: time it for the load policy
         self._worker.copy_out_and_save(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -54,6 +54,7 @@ class Miss(str, Enum):
     TOKENS_DIFFER = "text equal but tokens differ"
     BROKEN_CHAIN = "broken chain"
     OTHER_NAMESPACE = "checkpoint of another model/layout/dtype/salt"
+    CHEAPER_TO_RECOMPUTE = "cheaper to recompute"
 
     @property
     def label(self) -> str:

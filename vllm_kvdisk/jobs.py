@@ -62,6 +62,7 @@ class SaveJob:
 class StepMeta(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    step_tokens: int = 0  # tokens this step computes (the worker times prefill steps)
 
 
 @dataclass(slots=True)
@@ -82,13 +83,18 @@ class WorkerReport(KVConnectorWorkerMetadata):
     written: list[Written] = field(default_factory=list)
     failed_saves: list[tuple[str, str]] = field(default_factory=list)  # (ns, sha1)
     removed: list[tuple[str, str]] = field(default_factory=list)  # evicted or quarantined
+    loads: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds)
+    steps: list[tuple[int, float]] = field(default_factory=list)  # (tokens, forward seconds)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:
         if isinstance(other, WorkerReport):
             self.written += other.written
             self.failed_saves += other.failed_saves
             self.removed += other.removed
+            self.loads += other.loads
+            self.steps += other.steps
         return self
 
     def __bool__(self) -> bool:
-        return bool(self.written or self.failed_saves or self.removed)
+        return bool(self.written or self.failed_saves or self.removed or self.loads
+                    or self.steps)

@@ -180,6 +180,12 @@ class Replayer:
 
     async def prepare(self, request: Any) -> Plan | None:
         messages = list(getattr(request, "messages", None) or [])
+        for message in messages:
+            # pydantic may hand ``tool_calls`` over as a one-shot iterator (/tokenize does):
+            # read it once into a list vLLM can read again.
+            calls = message.get("tool_calls") if isinstance(message, dict) else None
+            if calls is not None and not isinstance(calls, (list, tuple)):
+                message["tool_calls"] = list(calls)
         ids = [tid for m in messages for tid in message_tool_ids(m)]
         if not ids:
             return None

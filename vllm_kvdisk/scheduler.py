@@ -30,6 +30,7 @@ from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta, Worker
 from vllm_kvdisk.metrics import KVDiskStats, StatsRecorder
 from vllm_kvdisk.keys import Fingerprint, Grid, KeyCache, TokenTable, salt_digest
 from vllm_kvdisk.planner import Planner, Prompt
+from vllm_kvdisk.policy import Decision, LoadCostModel
 from vllm_kvdisk.store import Store
 from vllm_kvdisk.trace import Trace
 
@@ -46,6 +47,7 @@ class _Req:
     memo_key: tuple[int, int] | None = None
     memo: Lookup | None = None
     memo_prompt: Prompt | None = None
+    declined: Decision | None = None  # the load policy found recomputing cheaper
     loading: bool = False
     load_failed: bool = False
 
@@ -89,6 +91,7 @@ class SchedulerSide:
         self._ns_cache: dict[tuple[str, str], str] = {}
         self._last_refresh = 0.0
         self.key_cache = KeyCache()
+        self.cost = LoadCostModel()
         self.stats = StatsRecorder()
         self._quarantined_seen = 0
         self._shutdown_requested = False
@@ -160,10 +163,26 @@ class SchedulerSide:
                             cache=self.key_cache)
             st.memo, st.memo_key = self.planner.lookup(st.ns, prompt, usable), memo_key
             st.memo_prompt = prompt
+            st.declined = None
+            if self.config.kv_disk_load_policy == "auto" and st.memo.tokens > num_computed:
+                self._apply_policy(st, num_computed)
         hit = st.memo.tokens if st.memo else 0
         if hit <= num_computed:
             return 0, False
         return hit - num_computed, True
+
+    def _apply_policy(self, st: _Req, num_computed: int) -> None:
+        """Cut the chain to the part that is cheaper to load than to recompute."""
+        lookup = st.memo
+        beyond = [e for e in lookup.chain if e.tokens > num_computed]
+        costs = [(e.size, e.tokens - max(e.parent_tokens, num_computed)) for e in beyond]
+        decision = self.cost.choose(costs)
+        if decision.files == len(beyond):
+            return
+        keep = len(lookup.chain) - len(beyond) + decision.files
+        st.memo = Lookup(lookup.chain[:keep], Miss.CHEAPER_TO_RECOMPUTE,
+                         lookup.miss_key, lookup.other_namespaces)
+        st.declined = decision
 
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         st = self._reqs.get(request.request_id)
@@ -214,6 +233,10 @@ class SchedulerSide:
                 return self._divergence(st.ns, lookup, prompt) or miss.value
             if miss is Miss.OTHER_NAMESPACE:
                 return f"{miss.value} ({', '.join(lookup.other_namespaces)})"
+            if miss is Miss.CHEAPER_TO_RECOMPUTE and st.declined is not None:
+                d = st.declined
+                return (f"{miss.value}: load {d.load_s * 1e3:.0f} ms vs prefill "
+                        f"{d.recompute_s * 1e3:.0f} ms")
             if miss is Miss.TOKENS_DIFFER and key is not None and prompt is not None:
                 with self.store.open(st.ns, key.sha1) as (fd, meta, _):
                     theirs = np.frombuffer(read_tokens(fd, meta), dtype="<u4")
@@ -298,7 +321,7 @@ class SchedulerSide:
         if self._shutdown_requested and not self._shutdown_saved:
             self._shutdown_saved = True
             self._checkpoint_running()
-        meta = StepMeta(self._loads, self._saves)
+        meta = StepMeta(self._loads, self._saves, scheduler_output.total_num_scheduled_tokens)
         self._loads, self._saves = [], []
         return meta
 
@@ -344,6 +367,10 @@ class SchedulerSide:
             index.release(ns, sha1)
         for ns, sha1 in report.removed:
             index.remove(ns, sha1)
+        for nbytes, seconds in report.loads:
+            self.cost.observe_load(nbytes, seconds)
+        for tokens, seconds in report.steps:
+            self.cost.observe_step(tokens, seconds)
 
     def mark_load_failed(self, req_ids: set[str]) -> None:
         for req_id in req_ids:

@@ -62,6 +62,7 @@ class WorkerSide:
         self._finished_seen: set[str] = set()
         self._inflight: dict[str, Future] = {}
         self._fps: dict[tuple[str, str], Fingerprint] = {}
+        self._step: tuple[int, float] = (0, 0.0)  # (tokens, start) of the step in flight
 
     # -- setup ------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, Any]) -> None:
@@ -95,9 +96,12 @@ class WorkerSide:
         ns = fp.dirname()
         t0 = time.perf_counter()
         loaded_blocks = 0
+        read_bytes = 0
         for file in job.files:
             try:
-                loaded_blocks += self._load_file(ns, fp, file, job)
+                blocks, nbytes = self._load_file(ns, fp, file, job)
+                loaded_blocks += blocks
+                read_bytes += nbytes
             except Exception as exc:  # noqa: BLE001 - any failure means "recompute"
                 self.stats.count("lookups", "load_failed:")
                 if isinstance(exc, FormatError):
@@ -116,6 +120,8 @@ class WorkerSide:
             self.store.touch(ns, file.sha1)
         seconds = time.perf_counter() - t0
         self.stats.observe("load_seconds", seconds)
+        with self._lock:
+            self._report.loads.append((read_bytes, seconds))
         if self._counts_tokens:
             self.stats.add("tokens_loaded", loaded_blocks * self.block_size)
         ms = seconds * 1000
@@ -124,7 +130,8 @@ class WorkerSide:
                         f"from {len(job.files)} file(s), {ms:.0f} ms)")
         return []
 
-    def _load_file(self, ns: str, fp: Fingerprint, file: LoadFile, job: LoadJob) -> int:
+    def _load_file(self, ns: str, fp: Fingerprint, file: LoadFile, job: LoadJob) -> tuple[int, int]:
+        """Restore one file's blocks; returns (blocks restored, bytes read)."""
         mover = self.mover
         if mover is None:
             raise RuntimeError("KV caches not registered")
@@ -159,8 +166,20 @@ class WorkerSide:
                 wait([pending])  # never recycle a buffer a read is still filling
                 for flat in flats:
                     self.staging.put(flat)
-            self.stats.add("bytes_read", meta.text_len + meta.offsets.layer_bytes * p.layout.num_layers)
-            return len(targets)
+            nbytes = meta.text_len + meta.offsets.layer_bytes * p.layout.num_layers
+            self.stats.add("bytes_read", nbytes)
+            return len(targets), nbytes
+
+    # -- step timing (for the cost-aware load policy) ---------------------------------
+    def step_started(self, meta: StepMeta) -> None:
+        self._step = (meta.step_tokens, time.perf_counter())
+
+    def step_computed(self) -> None:
+        tokens, started = self._step
+        if tokens:
+            with self._lock:
+                self._report.steps.append((tokens, time.perf_counter() - started))
+        self._step = (0, 0.0)
 
     # -- saves ------------------------------------------------------------------------
     def copy_out_and_save(self, meta: StepMeta) -> None:

@@ -1,0 +1,125 @@
+"""The connector inside a real engine: step time while saving, and time to first token.
+
+    .venv/bin/python benchmarks/engine_bench.py [--prompt-tokens 4096] [--layers 8]
+
+Builds a random-weight Llama of the given shape (bigger than the test model so prefill
+costs something), then in one run, with vLLM's default multi-process engine:
+  1. decode with saves: the same batch generated with no connector and with kvdisk
+     (cold saves, plus a continued save every --continued-interval computed tokens,
+     default 128: far more often than ds4's 10000); ratio of wall times;
+  2. time to first token for one long prompt: cold prefill, a device prefix-cache hit,
+     and a disk restore in a fresh engine on the same cache directory (a restart).
+Absolute times on a 2-core CPU mean little; the ratios are the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+
+def make_llm(model: str, kv_dir: str | None, **extra):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kwargs = {}
+    if kv_dir:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="kvdisk", kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"kv_disk_dir": kv_dir, "kv_cache_min_tokens": 128,
+                                       "kv_cache_boundary_align_tokens": 256, **extra})
+    return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=16384,
+               enable_prefix_caching=True, **kwargs)
+
+
+def close(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def timed_generate(llm, prompts, max_tokens) -> float:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompt-tokens", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--decode-tokens", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--continued-interval", type=int, default=128,
+                    help="continued-save interval while decoding (ds4 default: 10000)")
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    from vllm_kvdisk.tinymodel import build_tiny_model
+
+    work = tempfile.mkdtemp(prefix="kvdisk-engine-bench-")
+    shape = {"hidden": args.hidden, "layers": args.layers, "heads": args.hidden // 64,
+             "kv_heads": max(1, args.hidden // 256)}
+    model = str(build_tiny_model(os.path.join(work, "model"), shape=shape))
+    kv = os.path.join(work, "kv")
+    kv_per_token = 2 * shape["layers"] * shape["kv_heads"] * 64 * 4
+    rng = np.random.default_rng(0)
+
+    def batch(n, length):
+        return [rng.integers(10, 4000, length).tolist() for _ in range(n)]
+
+    try:
+        print(f"model: {shape}, {kv_per_token // 1024} KiB of KV per token (fp32)")
+        runs = [batch(args.batch, 1024) for _ in range(args.repeat)]
+        # 1. decode while saving ------------------------------------------------------
+        base = make_llm(model, None)
+        timed_generate(base, runs[0], 8)  # warm up
+        plain = [timed_generate(base, prompts, args.decode_tokens) for prompts in runs]
+        long_prompt = batch(1, args.prompt_tokens)[0]
+        ttft_cold = [timed_generate(base, [batch(1, args.prompt_tokens)[0]], 1)
+                     for _ in range(args.repeat)]
+        close(base)
+        disk = make_llm(model, kv, kv_cache_continued_interval_tokens=args.continued_interval)
+        timed_generate(disk, batch(args.batch, 1024), 8)
+        saving = [timed_generate(disk, prompts, args.decode_tokens) for prompts in runs]
+        # 2. time to first token ---------------------------------------------------------
+        timed_generate(disk, [long_prompt], 1)  # cold prefill; checkpoints land on disk
+        ttft_device = [timed_generate(disk, [long_prompt], 1) for _ in range(args.repeat)]
+        close(disk)
+        files = sum(len(f) for _, _, f in os.walk(kv))
+        restarted = make_llm(model, kv)
+        ttft_disk = [timed_generate(restarted, [long_prompt], 1)]
+        restarted.reset_prefix_cache()
+        ttft_disk += [timed_generate(restarted, [long_prompt], 1) for _ in range(args.repeat - 1)]
+        close(restarted)
+        med = statistics.median
+        print(f"1. batch of {args.batch} x 1024-token prompts, {args.decode_tokens} tokens each "
+              f"(median of {args.repeat}):")
+        print(f"   no connector {med(plain):.2f} s | kvdisk saving (cold + continued every "
+              f"{args.continued_interval} tokens) {med(saving):.2f} s | ratio "
+              f"{med(saving) / med(plain):.3f} "
+              f"(target <= 1.05)")
+        print(f"2. time to first token, {args.prompt_tokens}-token prompt "
+              f"({args.prompt_tokens * kv_per_token / 1e6:.0f} MB of KV), {files} files on disk:")
+        print(f"   cold prefill {med(ttft_cold) * 1e3:.0f} ms | device prefix-cache hit "
+              f"{med(ttft_device) * 1e3:.0f} ms | disk restore after restart "
+              f"{med(ttft_disk) * 1e3:.0f} ms")
+        print(f"   disk/device {med(ttft_disk) / med(ttft_device):.2f} | "
+              f"cold/disk {med(ttft_cold) / med(ttft_disk):.1f}x")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
