@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--continued-interval", type=int, default=128,
                     help="continued-save interval while decoding (ds4 default: 10000)")
     args = ap.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # two engines run at once
     from vllm_kvdisk.tinymodel import build_tiny_model
 
     work = tempfile.mkdtemp(prefix="kvdisk-engine-bench-")
@@ -82,17 +82,20 @@ def main() -> None:
     try:
         print(f"model: {shape}, {kv_per_token // 1024} KiB of KV per token (fp32)")
         runs = [batch(args.batch, 1024) for _ in range(args.repeat)]
-        # 1. decode while saving ------------------------------------------------------
+        # 1. decode while saving: both engines up, runs interleaved so drift and warm-up
+        # hit both alike -------------------------------------------------------------------
         base = make_llm(model, None)
-        timed_generate(base, runs[0], 8)  # warm up
-        plain = [timed_generate(base, prompts, args.decode_tokens) for prompts in runs]
+        disk = make_llm(model, kv, kv_cache_continued_interval_tokens=args.continued_interval)
+        for llm in (base, disk):
+            timed_generate(llm, batch(args.batch, 1024), 8)  # warm up
+        plain, saving = [], []
+        for prompts in runs:
+            plain.append(timed_generate(base, prompts, args.decode_tokens))
+            saving.append(timed_generate(disk, prompts, args.decode_tokens))
         long_prompt = batch(1, args.prompt_tokens)[0]
         ttft_cold = [timed_generate(base, [batch(1, args.prompt_tokens)[0]], 1)
                      for _ in range(args.repeat)]
         close(base)
-        disk = make_llm(model, kv, kv_cache_continued_interval_tokens=args.continued_interval)
-        timed_generate(disk, batch(args.batch, 1024), 8)
-        saving = [timed_generate(disk, prompts, args.decode_tokens) for prompts in runs]
         # 2. time to first token ---------------------------------------------------------
         timed_generate(disk, [long_prompt], 1)  # cold prefill; checkpoints land on disk
         ttft_device = [timed_generate(disk, [long_prompt], 1) for _ in range(args.repeat)]

@@ -97,7 +97,8 @@ def test_splice_puts_the_sampled_tokens_where_the_sentinel_was():
     messages = [{"role": "user", "content": "q"}, assistant("a"), {"role": "user", "content": "r"}]
     plan = plan_replay(messages, memory, sign=lambda r: None)
     swapped, sentinels = sentinel_messages(messages, plan.replays)
-    assert swapped[1] == {"role": "assistant", "content": sentinels[0]} and messages[1]["tool_calls"]
+    assert swapped[1] == {"role": "assistant", "content": sentinels[0]}
+    assert messages[1]["tool_calls"]  # the request's own messages are left alone
     encode = lambda s: [ord(c) for c in s]  # noqa: E731
     text = f"<u>q</u><a>{sentinels[0]}</a><u>r</u>"
     ids, exact = splice(text, sentinels, plan.replays, encode)
@@ -143,6 +144,7 @@ def test_tool_maps_are_rebuilt_from_the_ktm_sections_on_disk(tmp_path):
 def test_plugins_env_enables_the_endpoint_plugin_and_keeps_the_others():
     names = plugins_env(None).split(",")
     assert "kvdisk" in names and "kvdisk_replay" in names
+    assert "lora_hf_hub_resolver" not in names  # named means "allowed to download": opt-in
     assert plugins_env("other") == "other,kvdisk,kvdisk_replay"
     assert plugins_env("kvdisk_replay,kvdisk") == "kvdisk_replay,kvdisk"
 
@@ -233,7 +235,8 @@ def test_replayed_tool_call_extends_the_cache_hit_and_survives_a_restart(tiny_mo
         assert turn2["usage"]["prompt_tokens"] == len(prompt2)
         on_cached = cached(turn2)
         assert on_cached == (len(p1) + len(sampled)) // BLOCK * BLOCK > off_cached
-        assert replay_lines(trace) == ["tool replay: 1 from memory, 0 from disk, 0 missing, 0 changed"]
+        assert replay_lines(trace) == [
+            "tool replay: 1 from memory, 0 from disk, 0 missing, 0 changed"]
     finally:
         assert server.stop() == 0
     # The turn-2 checkpoint past the call holds it in its KTM section.
@@ -245,7 +248,8 @@ def test_replayed_tool_call_extends_the_cache_hit_and_survives_a_restart(tiny_mo
         restarted = cached(server.chat(turn_two(messages, call), max_tokens=4, tools=TOOLS))
         next_grid = (len(p1) + len(sampled)) // 256 * 256 + 128
         assert restarted >= next_grid > len(p1) + len(sampled) > off_cached
-        assert replay_lines(trace)[-1] == "tool replay: 0 from memory, 1 from disk, 0 missing, 0 changed"
+        assert replay_lines(trace)[-1] == \
+            "tool replay: 0 from memory, 1 from disk, 0 missing, 0 changed"
     finally:
         assert server.stop() == 0
 
@@ -274,12 +278,19 @@ def test_streamed_calls_replay_and_changed_arguments_render_as_usual(tiny_model,
                     call["function"]["name"] += fn.get("name") or ""
                     call["function"]["arguments"] += fn.get("arguments") or ""
         assert call["id"] and sampled[-1] == 1
-        assert tokenize(server, turn_two(messages, call))[:len(p1) + len(sampled) - 1] == p1 + sampled[:-1]
+        sampled = sampled[:-1]  # without the EOS
+        assert tokenize(server, turn_two(messages, call))[:len(p1) + len(sampled)] == p1 + sampled
 
+        # (hermes streams these arguments as '{"unit":"c","city":"Rome"},"name":"get_weather"':
+        # what the client received is what it must send back.) A non-streamed twin:
+        reply = server.chat(messages, max_tokens=80, **FORCE)
+        call = reply["choices"][0]["message"]["tool_calls"][0]
         # JSON-equal arguments in another order are the same call: replayed.
         reordered = dict(call, function={"name": "get_weather",
                                          "arguments": '{"city": "Rome", "unit": "c"}'})
-        assert tokenize(server, turn_two(messages, reordered)) == tokenize(server, turn_two(messages, call))
+        replayed = tokenize(server, turn_two(messages, call))
+        assert replayed[:len(p1) + len(sampled)] == p1 + sampled
+        assert tokenize(server, turn_two(messages, reordered)) == replayed
         # Other arguments under the same id: rendered as usual, like an unknown id.
         changed = dict(call, function={"name": "get_weather",
                                        "arguments": '{"city": "Paris", "unit": "c"}'})

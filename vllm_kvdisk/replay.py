@@ -83,7 +83,8 @@ def plain_text(content: Any) -> str:
     return str(content).strip()
 
 
-def make_signature(content: Any, calls: Iterable[tuple[str, Any]], reasoning: Any = None) -> Signature:
+def make_signature(content: Any, calls: Iterable[tuple[str, Any]],
+                   reasoning: Any = None) -> Signature:
     return Signature(plain_text(content),
                      tuple((str(name), canonical_arguments(args)) for name, args in calls),
                      plain_text(reasoning))
@@ -330,7 +331,8 @@ class DiskToolMaps:
         while needle and at >= 0:
             i = int(np.searchsorted(starts, at))
             j = int(np.searchsorted(ends, at + len(needle)))
-            if i < len(starts) and starts[i] == at and j < len(ends) and ends[j] == at + len(needle):
+            if (i < len(starts) and starts[i] == at
+                    and j < len(ends) and ends[j] == at + len(needle)):
                 return tuple(int(t) for t in ids[i:j + 1])
             at = rendered.find(needle, at + 1)
         return None

@@ -5,7 +5,8 @@ plugins only when ``VLLM_PLUGINS`` names them (and that variable then also filte
 general plugins, so it must name ``kvdisk`` too); ``vllm-kvdisk serve`` sets it. With plain
 ``vllm serve``::
 
-    VLLM_PLUGINS=kvdisk,kvdisk_replay vllm serve MODEL --kv-transfer-config '{"kv_connector":"kvdisk",...}' \
+    VLLM_PLUGINS=kvdisk,kvdisk_replay vllm serve MODEL \
+        --kv-transfer-config '{"kv_connector":"kvdisk",...}' \
         --enable-auto-tool-choice --tool-call-parser hermes
 
 It adds no route. ``init_state`` wraps, on the app's own handler objects (instance
@@ -52,17 +53,23 @@ STARTUP_LOAD_WAIT_S = 30.0
 _ACTIVE: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("kvdisk_replay", default=None)
 
 
+# Plugins that treat being named in VLLM_PLUGINS as an opt-in (the Hub LoRA resolver
+# downloads adapters only then): never name them on the user's behalf.
+_OPT_IN_PLUGINS = frozenset({"lora_hf_hub_resolver"})
+
+
 def plugins_env(current: str | None) -> str:
     """A ``VLLM_PLUGINS`` value that enables this plugin and changes nothing else: unset
-    means "every installed plugin", so list them all (endpoint plugins excepted: those were
-    off)."""
+    means "every installed plugin", so list them all, except endpoint plugins (off while
+    unset) and opt-in ones (inert while unset)."""
     if current is not None:
         names = [n for n in current.split(",") if n]
     else:
         names = []
         for group in ("vllm.general_plugins", "vllm.platform_plugins",
                       "vllm.io_processor_plugins", "vllm.stat_logger_plugins"):
-            names += [ep.name for ep in entry_points(group=group)]
+            names += [ep.name for ep in entry_points(group=group)
+                      if ep.name not in _OPT_IN_PLUGINS]
     for name in (GENERAL_PLUGIN_NAME, PLUGIN_NAME):
         if name not in names:
             names.append(name)
@@ -222,8 +229,8 @@ class Replayer:
                     or "multi_modal_data" in prompt):
                 result, why = None, "the renderer does not produce text"
             else:
-                encode = lambda s: list(self.tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
-                result = await asyncio.to_thread(splice, text, sentinels, plan.replays, encode)
+                result = await asyncio.to_thread(splice, text, sentinels, plan.replays,
+                                                 self._encode)
                 why = "the chat template did not render a replayed message verbatim"
         except Exception as exc:  # noqa: BLE001 - e.g. a template that insists on tool_calls
             result, why = None, f"rendering failed: {exc}"
@@ -238,6 +245,10 @@ class Replayer:
             if isinstance(message, dict) and message.get("content") in by_sentinel:
                 message["content"] = by_sentinel[message["content"]]
         return conversation, out
+
+    def _encode(self, text: str) -> list[int]:
+        # The template wrote any BOS itself; vLLM's chat default adds none either.
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     # -- capture ------------------------------------------------------------------------
     def remember(self, token_ids: list[int], ids: list[str], signature: Signature) -> None:
@@ -388,7 +399,8 @@ def _accumulate(choices: dict[int, dict[str, Any]], body: str) -> None:
             if delta.get(key):
                 state["reasoning"].append(delta[key])
         for tc in delta.get("tool_calls") or []:
-            call = state["calls"].setdefault(tc.get("index", 0), {"id": None, "name": "", "args": []})
+            call = state["calls"].setdefault(tc.get("index", 0),
+                                             {"id": None, "name": "", "args": []})
             call["id"] = call["id"] or tc.get("id")
             fn = tc.get("function") or {}
             call["name"] = call["name"] or fn.get("name") or ""
