@@ -205,7 +205,7 @@ def replay_lines(trace: str) -> list[str]:
 def test_replayed_tool_call_extends_the_cache_hit_and_survives_a_restart(tiny_model, tmp_path):
     trace, log = str(tmp_path / "trace.txt"), str(tmp_path / "log")
     # Without replay (tool memory off) the template's JSON differs from the sampled one:
-    # the prompt of turn 2 leaves turn 1's tokens one token into the call.
+    # the prompt of turn 2 leaves turn 1's tokens at most a token into the call.
     server = Server(tiny_model, str(tmp_path / "kv-off"), log, *TOOL_ARGS,
                     "--tool-memory-max-ids", "0")
     try:
