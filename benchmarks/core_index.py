@@ -36,7 +36,7 @@ def make_files(root: str, count: int) -> str:
     planner = Planner(store.index, grid)
     pages = [bytes(LAYOUT.page_bytes)]
     rng = np.random.default_rng(0)
-    for i in range(count):
+    for _ in range(count):
         prompt = Prompt(table, grid, rng.integers(0, 256, 200))
         plan = planner.plan_save(ns, prompt, 128, Reason.COLD)
         enc = encode_plan(plan, text=prompt.text_upto(128), ids=prompt.ids, layers=pages,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from vllm_kvdisk.format import (FLAG_DELTA, FLAG_TOOL_MAP, HEADER, PAGE_ALIGN, FormatError,
+from vllm_kvdisk.format import (FLAG_DELTA, FLAG_TOOL_MAP, PAGE_ALIGN, FormatError,
                                 PageLayout, Payload, Reason, UnsupportedFile, decode_tool_map,
                                 encode_checkpoint, encode_tool_map, read_layer_into, read_meta,
                                 read_text, read_tokens, read_tool_map)

@@ -31,7 +31,7 @@ def test_lookup_deepest_hit_and_the_reason_for_the_next_position():
     planner = Planner(idx, GRID, min_tokens=1)
     rng = np.random.default_rng(3)
     prompt = Prompt(table, GRID, rng.integers(0, 256, 300))
-    for length, parent, ptoks in ((48, None, 0), (112, None, 0)):
+    for length, ptoks in ((48, 0), (112, 0)):
         key = prompt.key_at(length)
         p_sha = prompt.key_at(ptoks).sha1 if ptoks else None
         idx.add(Entry("n", key.sha1, length, p_sha, ptoks, Reason.COLD, 0, 0, 0, 1, prompt.digest(length)))

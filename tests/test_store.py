@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from synth import FP, GRID, byte_table, save
-from vllm_kvdisk.format import Reason, read_layer_into
+from vllm_kvdisk.format import read_layer_into
 from vllm_kvdisk.planner import Planner, Prompt
 from vllm_kvdisk.store import Store
 from vllm_kvdisk.verify import verify

@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetada
                                                                KVConnectorWorkerMetadata)
 
 from vllm_kvdisk.format import Reason
+from vllm_kvdisk.index import Entry
 
 
 @dataclass(slots=True)
@@ -65,22 +66,9 @@ class StepMeta(KVConnectorMetadata):
     step_tokens: int = 0  # tokens this step computes (the worker times prefill steps)
 
 
-@dataclass(slots=True)
-class Written:
-    ns: str
-    sha1: str
-    tokens: int
-    parent: str | None
-    parent_tokens: int
-    reason: Reason
-    created: int
-    size: int
-    token_digest: int
-
-
 @dataclass
 class WorkerReport(KVConnectorWorkerMetadata):
-    written: list[Written] = field(default_factory=list)
+    written: list[Entry] = field(default_factory=list)  # index entries of files that landed
     failed_saves: list[tuple[str, str]] = field(default_factory=list)  # (ns, sha1)
     removed: list[tuple[str, str]] = field(default_factory=list)  # evicted or quarantined
     loads: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds)

@@ -25,7 +25,7 @@ import numpy as np
 from vllm_kvdisk.config import KVDiskConfig
 from vllm_kvdisk.format import (MAX_KTM_ENTRIES, MAX_TOOL_ID_BYTES, MAX_TOOL_TEXT_BYTES, Reason,
                                 read_tokens)
-from vllm_kvdisk.index import Entry, Lookup, Miss
+from vllm_kvdisk.index import Lookup, Miss
 from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta, WorkerReport
 from vllm_kvdisk.metrics import KVDiskStats, StatsRecorder
 from vllm_kvdisk.keys import Fingerprint, Grid, KeyCache, TokenTable, salt_digest
@@ -360,9 +360,8 @@ class SchedulerSide:
         if not isinstance(report, WorkerReport):
             return
         index = self.store.index
-        for w in report.written:
-            index.add(Entry(w.ns, w.sha1, w.tokens, w.parent, w.parent_tokens, w.reason, 0,
-                            w.created, w.created, w.size, w.token_digest))
+        for entry in report.written:
+            index.add(entry)
         for ns, sha1 in report.failed_saves:
             index.release(ns, sha1)
         for ns, sha1 in report.removed:

@@ -27,7 +27,7 @@ import numpy as np
 from vllm_kvdisk.config import KVDiskConfig
 from vllm_kvdisk.format import FormatError, Payload, encode_checkpoint, read_layer_into, read_text
 from vllm_kvdisk.index import Entry
-from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta, WorkerReport, Written
+from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta, WorkerReport
 from vllm_kvdisk.keys import Fingerprint, token_digest
 from vllm_kvdisk.metrics import KVDiskStats, StatsRecorder
 from vllm_kvdisk.staging import StagingPool
@@ -238,9 +238,7 @@ class WorkerSide:
             for buf in pages:
                 self.staging.put(buf)
         with self._lock:
-            self._report.written.append(Written(ns, job.sha1, entry.tokens, entry.parent,
-                                                entry.parent_tokens, entry.reason,
-                                                entry.created, entry.size, entry.token_digest))
+            self._report.written.append(entry)
         seconds = time.perf_counter() - t0
         self.stats.observe("save_seconds", seconds)
         self.stats.count("saves", job.reason.name.lower())
