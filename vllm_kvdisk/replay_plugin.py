@@ -204,8 +204,9 @@ class Replayer:
         for replay in plan.replays:
             record = replay.record
             if record.token_ids is None and record.source is not None:
+                source, record.source = record.source, None  # one try; else its text is tokenized
                 record.token_ids = await asyncio.to_thread(
-                    self.disk.recover_tokens, *record.source, record.text, self.table)
+                    self.disk.recover_tokens, *source, record.text, self.table)
         return plan
 
     def finish(self, request: Any, plan: Plan) -> None:
