@@ -33,10 +33,12 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import hashlib
+import importlib.metadata as md
 import json
 import os
 import pathlib
 import platform
+import re
 import shlex
 import shutil
 import signal
@@ -69,25 +71,25 @@ LAUNCH_VLLM = ("import sys; from vllm_kvdisk.serve import _patch_cpu_build_versi
 ALIGN, MIN_TOKENS = 256, 128
 
 TOOLS = [
-    ("read_file", "Read a text file from the workspace and return its contents with line "
-     "numbers. Large files are truncated; use offset and limit to page through them.",
+    ("read_file", ("Read a text file from the workspace and return its contents with line "
+     "numbers. Large files are truncated; use offset and limit to page through them."),
      {"path": "string", "offset": "integer", "limit": "integer"}),
-    ("write_file", "Create or overwrite a file in the workspace with the given content. "
-     "Parent directories are created as needed.", {"path": "string", "content": "string"}),
-    ("apply_patch", "Apply a unified diff to files in the workspace. Fails without changing "
-     "anything if a hunk does not apply cleanly.", {"patch": "string"}),
-    ("run_shell", "Run a shell command in the workspace and return its exit status, "
-     "standard output and standard error, truncated to the last 20000 characters.",
+    ("write_file", ("Create or overwrite a file in the workspace with the given content. "
+     "Parent directories are created as needed."), {"path": "string", "content": "string"}),
+    ("apply_patch", ("Apply a unified diff to files in the workspace. Fails without changing "
+     "anything if a hunk does not apply cleanly."), {"patch": "string"}),
+    ("run_shell", ("Run a shell command in the workspace and return its exit status, "
+     "standard output and standard error, truncated to the last 20000 characters."),
      {"command": "string", "timeout_s": "integer"}),
-    ("grep", "Search files under a directory for a regular expression and return matching "
-     "lines with file names and line numbers.",
+    ("grep", ("Search files under a directory for a regular expression and return matching "
+     "lines with file names and line numbers."),
      {"pattern": "string", "path": "string", "glob": "string"}),
-    ("list_dir", "List the entries of a directory, with sizes and types, recursively up to "
-     "the given depth.", {"path": "string", "depth": "integer"}),
-    ("run_tests", "Run the project's test suite or a subset of it and return the summary and "
-     "the output of failing tests.", {"selector": "string", "verbose": "boolean"}),
-    ("search_docs", "Search the documentation index of the project's dependencies and return "
-     "the best matching passages with their source.", {"query": "string", "top_k": "integer"}),
+    ("list_dir", ("List the entries of a directory, with sizes and types, recursively up to "
+     "the given depth."), {"path": "string", "depth": "integer"}),
+    ("run_tests", ("Run the project's test suite or a subset of it and return the summary and "
+     "the output of failing tests."), {"selector": "string", "verbose": "boolean"}),
+    ("search_docs", ("Search the documentation index of the project's dependencies and return "
+     "the best matching passages with their source."), {"query": "string", "top_k": "integer"}),
 ]
 
 
@@ -188,21 +190,23 @@ def server_command(name: str, model: str, port: int, cache_dir: str | None, args
 
 
 def error_from_log(path: str) -> str:
-    """The most telling line of a failed server's log."""
+    """The first exception message in a failed server's log (the root cause, usually)."""
     try:
         lines = pathlib.Path(path).read_text(errors="replace").splitlines()
     except OSError:
         return "no log"
-    keys = ("Error:", "Exception:", "error:", "RuntimeError", "NotImplementedError")
-    hits = [ln.strip() for ln in lines if any(k in ln for k in keys)]
-    return (hits[0] if hits else (lines[-1].strip() if lines else "empty log"))[:400]
+    for line in lines:
+        msg = line.split("] ", 1)[1] if line.startswith("(") and "] " in line else line
+        if re.match(r"[\w.]*(Error|Exception): ", msg.strip()):
+            return msg.strip()[:400]
+    return (lines[-1].strip() if lines else "empty log")[:400]
 
 
 class Server:
     def __init__(self, cmd: list[str], log_path: str, env: dict[str, str], port: int,
                  timeout_s: float = 300):
         self.cmd, self.url, self.log_path = cmd, f"http://127.0.0.1:{port}", log_path
-        self._log = open(log_path, "ab")
+        self._log = open(log_path, "ab")  # noqa: SIM115 (open while the server runs)
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True, cwd=str(REPO))
@@ -254,9 +258,83 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        # The engine and worker processes exit on their own after the main one; wait for
+        # them so nothing of this server runs into the next measurement.
+        deadline, lingered = time.monotonic() + 60, False
+        while True:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:
+                pass
+            if time.monotonic() > deadline:
+                lingered = True
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                time.sleep(1)
+                break
+            time.sleep(0.2)
         if not self._log.closed:
             self._log.close()
-        return {"rc": self.proc.returncode, "stop_s": round(time.perf_counter() - t0, 2)}
+        return {"rc": self.proc.returncode, "stop_s": round(time.perf_counter() - t0, 2),
+                "killed_lingering_children": lingered}
+
+
+def _tree_cpu_s(pid: int) -> float:
+    import psutil
+
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+    except psutil.Error:
+        pass
+    return total
+
+
+class CpuMeter:
+    """Average cores busy during a phase: the server's processes, this client, and
+    everything else on the machine (other people's jobs would distort the timings)."""
+
+    def __init__(self, server_pid: int):
+        import psutil
+
+        self.pid, self._psutil = server_pid, psutil
+        self.t0, self.sys0 = time.perf_counter(), self._busy()
+        self.srv0, self.me0 = _tree_cpu_s(server_pid), self._me()
+
+    def _busy(self) -> float:
+        t = self._psutil.cpu_times()
+        return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+    @staticmethod
+    def _me() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    def read(self) -> dict:
+        wall = time.perf_counter() - self.t0
+        busy = self._busy() - self.sys0
+        srv = _tree_cpu_s(self.pid) - self.srv0
+        me = self._me() - self.me0
+        return {"wall_s": round(wall, 2), "machine_cores": round(busy / wall, 2),
+                "server_cores": round(srv / wall, 2), "client_cores": round(me / wall, 2),
+                "other_cores": round(max(0.0, busy - srv - me) / wall, 2)}
+
+
+def engine_cores(log_path: str) -> str | None:
+    """The CPU build's OpenMP binding of the engine's worker, from the latest start-up."""
+    found = None
+    with open(log_path, errors="replace") as fh:
+        for line in fh:
+            if "core ids=" in line:
+                found = line.split("core ids=", 1)[1].strip()
+    return found
 
 
 def disk_usage(path: str | None) -> dict:
@@ -326,7 +404,7 @@ def run_phase(server: Server, wl: Workload, history: list[list[dict]], turns: ra
                    "start_s": round(time.perf_counter() - t_phase, 4)}
             try:
                 out = stream_chat(server.url, msgs, args.max_tokens, args.request_timeout)
-            except Exception as exc:  # recorded, and the session stops here
+            except Exception as exc:  # noqa: BLE001 (recorded; the session stops here)
                 rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 with lock:
                     records.append(rec)
@@ -387,15 +465,17 @@ def run_config(name: str, model: str, wl: Workload, work: str, env: dict, args) 
             info["error"] = f"{phase} start-up: {exc}"
             print(f"[{name}] FAILED: {exc}", flush=True)
             break
-        ph: dict = {"startup_s": round(server.startup_s, 2)}
+        ph: dict = {"startup_s": round(server.startup_s, 2), "engine_cores": engine_cores(log)}
         recs: list[dict] = []
         try:
             warm_up(server, args)
             time.sleep(0.5)
             before = server.metrics()
             t0 = time.perf_counter()
+            meter = CpuMeter(server.proc.pid)
             recs = run_phase(server, wl, history, turns, name, phase, args)
             ph["wall_s"] = round(time.perf_counter() - t0, 2)
+            ph["cpu"] = meter.read()
             time.sleep(1.0)  # let the last step's stats reach /metrics
             ph["tokens"] = token_sources(before, server.metrics())
             records += recs
@@ -404,7 +484,7 @@ def run_config(name: str, model: str, wl: Workload, work: str, env: dict, args) 
                 ph["errors"] = len(errors)
                 if not server.alive():
                     info["error"] = f"{phase}: server died: {error_from_log(log)}"
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 (recorded; the next config still runs)
             info["error"] = f"{phase}: {type(exc).__name__}: {exc}"[:400]
         finally:
             ph["stop"] = server.stop()
@@ -412,7 +492,9 @@ def run_config(name: str, model: str, wl: Workload, work: str, env: dict, args) 
             info["phases"][phase] = ph
         print(f"[{name}] {phase}: {len(recs)} requests, "
               f"{ph.get('wall_s', 0):.1f} s, server start {ph['startup_s']:.1f} s, "
-              f"disk {ph['disk_after']['bytes'] / 1e6:.1f} MB", flush=True)
+              f"disk {ph['disk_after']['bytes'] / 1e6:.1f} MB, cores busy "
+              f"{ph.get('cpu', {}).get('machine_cores', '-')} (other processes "
+              f"{ph.get('cpu', {}).get('other_cores', '-')})", flush=True)
         if "error" in info:
             info["status"] = "failed"
             break
@@ -421,10 +503,12 @@ def run_config(name: str, model: str, wl: Workload, work: str, env: dict, args) 
     info["disk"] = disk_usage(cache_dir)
     if trace and os.path.exists(trace):
         lines = pathlib.Path(trace).read_text(errors="replace").splitlines()
-        info["trace_counts"] = {w: sum(f"KV cache: {w}" in ln for ln in lines)
-                                for w in ("hit for", "device hit", "miss", "saved", "evicted",
-                                          "quarantined")}
-        info["trace_counts"]["loaded"] = sum("(loaded" in ln for ln in lines)
+        words = {"hit": "KV cache: hit for", "restored": "(loaded ",
+                 "device hit": "KV cache: device hit", "miss": "KV cache: miss",
+                 "saved": "KV cache: saved", "evicted": "KV cache: evicted",
+                 "quarantined": "KV cache: quarantined"}
+        info["trace_counts"] = {k: sum(w in ln for ln in lines) for k, w in words.items()}
+        info["trace_counts"]["hit"] -= info["trace_counts"]["restored"]  # 2 lines per hit
     return info, records
 
 
@@ -494,7 +578,7 @@ def summarize(configs: dict, records: list[dict], args) -> dict:
         summary["replies_equal_to_none"] = {
             name: f"{sum(base.get((r['session'], r['turn'])) == r.get('reply_sha1') for r in records if r['config'] == name and 'error' not in r)}"
                   f"/{sum(1 for r in records if r['config'] == name and 'error' not in r)}"
-            for name in configs if name != "none"}
+            for name in configs if name != "none" and configs[name]["status"] == "ok"}
     return summary
 
 
@@ -512,6 +596,12 @@ def report(meta: dict, configs: dict, summary: dict, args) -> str:
              f"then every server restarted (SIGTERM) on the same cache dir, resumed = turns "
              f"{args.turns // 2 + 1}..{args.turns}. VLLM_CPU_KVCACHE_SPACE="
              f"{args.kv_cache_space} GiB.")
+    cores = sorted({ph.get("engine_cores") or "?" for c in configs.values()
+                    for ph in c["phases"].values()})
+    L.append(f"CPU threads: VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus} for every "
+             "configuration (vLLM's CPU build otherwise reserves one more core when a KV "
+             "connector is set, which changes the compute threads between configurations); "
+             f"engine worker bound to core ids {' / '.join(cores)}.")
     L.append(f"kvdisk runs with a small grid for prompts of a few thousand tokens: "
              f"--kv-cache-boundary-align-tokens {ALIGN} --kv-cache-min-tokens {MIN_TOKENS} "
              f"(ds4 defaults are 2048 / 512), load policy {args.kvdisk_load_policy}.")
@@ -541,6 +631,19 @@ def report(meta: dict, configs: dict, summary: dict, args) -> str:
                  f"{s['disk']['files']:>6}")
     L.append("(1st after restart: TTFT p50 of each session's first resumed turn, and its "
              "cached/prompt tokens summed over sessions)")
+    loads = []
+    for name, info in configs.items():
+        for phase, ph in info["phases"].items():
+            if "cpu" in ph:
+                loads.append((name, phase, ph["cpu"]))
+    if loads:
+        L.append("average cores busy per phase, server / this client / other processes: "
+                 + "; ".join(f"{n} {p} {c['server_cores']}/{c['client_cores']}/"
+                             f"{c['other_cores']}" for n, p, c in loads))
+        worst = max(c["other_cores"] for _, _, c in loads)
+        if worst > 0.25:
+            L.append(f"WARNING: other processes kept up to {worst} cores busy during a phase; "
+                     "timings of that phase are distorted (rerun on an idle machine)")
     L.append("")
     L.append("TTFT p50 per turn (ms); restart between turn "
              f"{args.turns // 2} and {args.turns // 2 + 1}:")
@@ -590,6 +693,7 @@ def plots(configs: dict, summary: dict, records: list[dict], args, out: pathlib.
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     ok = [n for n in configs if configs[n]["status"] == "ok"]
     failed = [n for n in configs if configs[n]["status"] != "ok"]
@@ -611,6 +715,9 @@ def plots(configs: dict, summary: dict, records: list[dict], args, out: pathlib.
     ax.set_xlabel("turn")
     ax.set_ylabel("time to first token, ms (line p50, band to p95)")
     ax.set_yscale("log")
+    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xticks(turns)
     title = (f"Agent replay: {args.sessions} sessions x {args.turns} turns, concurrency "
              f"{args.concurrency}\nrandom tiny Llama on a CPU; not GPU numbers")
@@ -653,9 +760,13 @@ def plots(configs: dict, summary: dict, records: list[dict], args, out: pathlib.
     ax.set_xticks(xs)
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("prompt tokens (all sessions)")
-    ax.set_title("Prompt tokens computed vs cached, per configuration and phase\n"
-                 "(server counters vllm:prompt_tokens_by_source)", fontsize=10)
-    ax.legend(fontsize=8)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.15)
+    title = ("Prompt tokens computed vs cached, per configuration and phase\n"
+             "(server counters vllm:prompt_tokens_by_source)")
+    if failed:
+        title += f"; did not run: {', '.join(failed)}"
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, ncol=3, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     p = out / "agent_replay_tokens.png"
@@ -684,6 +795,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--kv-cache-space", default="2", help="VLLM_CPU_KVCACHE_SPACE, GiB")
+    ap.add_argument("--reserved-cpus", type=int, default=1,
+                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for every configuration (-1: vLLM's "
+                         "default, which reserves one core more when any KV connector is "
+                         "set: on a 2-core machine the connector configurations would then "
+                         "compute on 2 cores and the others on 1)")
     ap.add_argument("--native-offload-gib", type=float, default=1.0)
     ap.add_argument("--kvdisk-load-policy", default="auto", choices=["auto", "always"])
     ap.add_argument("--request-timeout", type=float, default=600)
@@ -691,7 +807,17 @@ def main() -> None:
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--work-dir", default=None,
                     help="cache dirs and server logs (default: a temp dir, removed at the end)")
+    ap.add_argument("--replot", action="store_true",
+                    help="only redraw the PNGs from OUT_DIR/agent_replay.json")
     args = ap.parse_args()
+    if args.replot:
+        out = pathlib.Path(args.out_dir)
+        data = json.loads((out / "agent_replay.json").read_text())
+        run_args = argparse.Namespace(**data["meta"]["argv"])
+        summary = summarize(data["configs"], data["requests"], run_args)
+        for p in plots(data["configs"], summary, data["requests"], run_args, out):
+            print(f"wrote {p}")
+        return
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     bad = [n for n in names if n not in ALL_CONFIGS]
     if bad or args.turns < 2:
@@ -719,11 +845,11 @@ def main() -> None:
                                                tokenize=False))
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_space)
+    if args.reserved_cpus >= 0:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(args.reserved_cpus)
     try:
-        import importlib.metadata as md
         vllm_version = md.version("vllm-cpu")
-    except Exception:
-        import importlib.metadata as md
+    except md.PackageNotFoundError:
         vllm_version = md.version("vllm")
     print(f"model {shape} at {model}; shared prefix {shared} tokens; work dir {work}",
           flush=True)

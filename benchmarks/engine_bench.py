@@ -66,6 +66,10 @@ def main() -> None:
                     help="continued-save interval while decoding (ds4 default: 10000)")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # two engines run at once
+    # vLLM's CPU build reserves one core for a KV connector's engine but, on a 2-core
+    # machine, then reserves none and binds both cores; without a connector it binds one.
+    # Pin the same reservation for both so the comparison is of the connector alone.
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     from vllm_kvdisk.tinymodel import build_tiny_model
 
     work = tempfile.mkdtemp(prefix="kvdisk-engine-bench-")
