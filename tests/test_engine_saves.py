@@ -16,6 +16,10 @@ def test_continued_checkpoints_during_generation_restore_exactly(tiny_model, tmp
     prompt = random_prompt(1500, seed=11)
     with engine(tiny_model, kv, trace=trace, kv_cache_continued_interval_tokens=512) as llm:
         out, _ = generate(llm, prompt, max_tokens=600)  # computed tokens cross 1536, 2048
+        # Saves are asynchronous: the last one may land just after the request returns.
+        deadline = time.monotonic() + 30
+        while not trace_lines(trace, "saved reason=continued") and time.monotonic() < deadline:
+            time.sleep(0.1)
         saved = {line.split("reason=")[1].split()[0] + ":" + line.split("tokens=")[1].split()[0]
                  for line in trace_lines(trace, "saved")}
         # cold at 1408 (the prompt), continued at the grid position below each frontier.
@@ -51,7 +55,11 @@ def test_sigterm_checkpoints_running_requests_and_the_next_server_resumes(tiny_m
     deadline = time.monotonic() + 60
     while not trace_lines(trace, "saved reason=cold") and time.monotonic() < deadline:
         time.sleep(0.2)
-    time.sleep(1.5)  # well into the generation, past the next grid positions
+    # SIGTERM only once the request has computed past the next grid position (1152): a
+    # shutdown save is made only where it adds something to the disk.
+    while (server.metric("vllm:generation_tokens_total") < 300
+           and time.monotonic() < deadline + 60):
+        time.sleep(0.2)
     assert server.stop() == 0
     worker.join(timeout=120)
     shutdown = [line for line in trace_lines(trace, "saved reason=shutdown")]

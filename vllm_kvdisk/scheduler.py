@@ -145,8 +145,11 @@ class SchedulerSide:
         return st
 
     def _refresh(self, ns: str) -> None:
+        """Pick up files written since the last look: at most every 2 s, but at once while
+        our own saves are in flight (a worker may have landed one whose report has not
+        reached us yet; the check is one stat of the directory when nothing changed)."""
         now = time.monotonic()
-        if now - self._last_refresh >= REFRESH_INTERVAL_S:
+        if self.store.index.has_pending() or now - self._last_refresh >= REFRESH_INTERVAL_S:
             self._last_refresh = now
             self.store.refresh(ns)
 
