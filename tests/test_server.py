@@ -127,7 +127,9 @@ def test_concurrent_sessions_sharing_a_system_prompt(tiny_model, tmp_path):
         server.stop()
     assert not errors, errors
     assert all(cached[i] >= 1024 for i in range(8)), cached
-    assert from_disk >= 8 * 1024
+    # The first sessions restored the shared system prompt from disk; the ones admitted
+    # after them may find those blocks already back in the device cache.
+    assert from_disk >= 1024
     saved = [line.split("sha1=")[1].split()[0] for line in trace_lines(trace, "saved")]
     assert len(saved) == len(set(saved)), "a checkpoint was written twice"
     # The shared system prompt's checkpoint is one file that the sessions' deltas extend.
