@@ -59,6 +59,16 @@ def generate(llm, prompt: list[int], max_tokens: int = 16, salt: str | None = No
     return list(out.outputs[0].token_ids), out.num_cached_tokens
 
 
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading token ids two sequences share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import requests
 
-from engine import Server, trace_lines
+from engine import Server, shared_prefix, trace_lines
 from synth import FP, GRID, byte_table, save
 from vllm_kvdisk.planner import Prompt
 from vllm_kvdisk.replay import (MAP_KEY, DiskToolMaps, ToolMemory, ToolRecord, exact_text,
@@ -152,15 +152,6 @@ def test_plugins_env_enables_the_endpoint_plugin_and_keeps_the_others():
 # -- a real engine -----------------------------------------------------------------------
 def text(start: int, n: int) -> str:
     return " ".join(WORDS[start: start + n])
-
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def tokenize(server, messages: list[dict]) -> list[int]:

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from engine import ALIGN, Server, trace_lines
+from engine import ALIGN, Server, shared_prefix, trace_lines
 from vllm_kvdisk.keys import Grid
 
 pytestmark = pytest.mark.engine
@@ -16,15 +16,6 @@ WORDS = open(os.path.join(os.path.dirname(os.__file__), "textwrap.py")).read().s
 
 def text(start: int, n: int) -> str:
     return " ".join(WORDS[start % 2000: start % 2000 + n])
-
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def disk_tokens(server: Server) -> float:
