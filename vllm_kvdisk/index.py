@@ -110,9 +110,6 @@ class Index:
     def entries(self) -> Iterable[Entry]:
         return self._entries.values()
 
-    def namespace_entries(self, ns: str) -> list[Entry]:
-        return [e for e in self._entries.values() if e.ns == ns]
-
     def add(self, entry: Entry) -> None:
         old = self._entries.get(entry.key)
         if old is not None:
@@ -145,9 +142,6 @@ class Index:
     def children(self, ns: str, sha1: str) -> list[Entry]:
         names = self._children.get((ns, sha1), ())
         return [self._entries[(ns, s)] for s in names if (ns, s) in self._entries]
-
-    def is_leaf(self, entry: Entry) -> bool:
-        return not self._children.get(entry.key)
 
     # -- two-phase saves --------------------------------------------------------------
     def reserve(self, entry: Entry) -> bool:

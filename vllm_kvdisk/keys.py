@@ -160,10 +160,6 @@ class KeyCache:
         return len(self._data)
 
 
-def text_sha1(text: bytes) -> str:
-    return hashlib.sha1(text).hexdigest()
-
-
 @dataclass(frozen=True, slots=True)
 class Fingerprint:
     """What must be equal for KV pages to be interchangeable (plus privacy scopes)."""

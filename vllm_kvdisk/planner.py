@@ -101,10 +101,6 @@ class SavePlan:
     parent_tokens: int
     reason: Reason
 
-    @property
-    def first_block_token(self) -> int:
-        return self.parent_tokens
-
 
 class Planner:
     def __init__(self, index: Index, grid: Grid, min_tokens: int = 1):

@@ -374,12 +374,6 @@ class SchedulerSide:
         for tokens, seconds in report.steps:
             self.cost.observe_step(tokens, seconds)
 
-    def mark_load_failed(self, req_ids: set[str]) -> None:
-        for req_id in req_ids:
-            st = self._reqs.get(req_id)
-            if st is not None:
-                st.load_failed = True
-
     def stats_snapshot(self) -> KVDiskStats | None:
         index, store = self.store.index, self.store
         self.stats.set("disk_bytes", index.total_bytes)

@@ -11,6 +11,7 @@ right after.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Sequence
 
 import numpy as np
@@ -93,7 +94,7 @@ class PageMover:
         idx = self._index(block_ids)
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream) if self._stream is not None else _nullcontext():
+        with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
             for t, dst in zip(self._layers, out):
                 pages = torch.index_select(t, 0, idx).contiguous().view(torch.uint8)
                 torch.from_numpy(dst).reshape(n, -1).copy_(pages.reshape(n, -1),
@@ -120,10 +121,3 @@ class PageMover:
             target.index_copy_(0, idx, src.to(self.device, non_blocking=True))
         self._stream.synchronize()
 
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
