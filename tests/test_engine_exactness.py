@@ -35,9 +35,13 @@ def test_greedy_tokens_identical_no_cache_gpu_hit_disk_hit_and_after_restart(tin
 
 
 def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_path, monkeypatch):
+    import vllm_kvdisk.worker as worker_mod
+
     written: dict[int, np.ndarray] = {}  # block index in the request -> page bytes, layer 0
-    loaded: list[tuple[object, int, list[int], np.ndarray]] = []
-    gather, scatter = PageMover.gather, PageMover.scatter
+    loaded: list[tuple[int, bytes]] = []  # (layer, bytes the restore read into the blocks)
+    targets: list[tuple[object, int, list[int]]] = []  # (mover, layer, block ids)
+    gather, host_runs = PageMover.gather, PageMover.host_runs
+    read_layer_into = worker_mod.read_layer_into
 
     def spy_gather(self, block_ids, out):
         gather(self, block_ids, out)
@@ -45,12 +49,17 @@ def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_pat
         for i, _ in enumerate(block_ids):
             written[len(written)] = rows[i].copy()
 
-    def spy_scatter(self, layer, block_ids, pages):
-        loaded.append((self, layer, list(block_ids), np.array(pages, copy=True)))
-        return scatter(self, layer, block_ids, pages)
+    def spy_host_runs(self, layer, block_ids):
+        targets.append((self, layer, list(block_ids)))
+        return host_runs(self, layer, block_ids)
+
+    def spy_read(fd, meta, layer, out):
+        read_layer_into(fd, meta, layer, out)
+        loaded.append((layer, b"".join(bytes(v) for v in out)))
 
     monkeypatch.setattr(PageMover, "gather", spy_gather)
-    monkeypatch.setattr(PageMover, "scatter", spy_scatter)
+    monkeypatch.setattr(PageMover, "host_runs", spy_host_runs)
+    monkeypatch.setattr(worker_mod, "read_layer_into", spy_read)
     prompt = random_prompt(1000, seed=2)  # one checkpoint: 896 tokens = 7 blocks
     with engine(tiny_model, str(tmp_path / "kv")) as llm:
         first, _ = generate(llm, prompt)
@@ -58,17 +67,18 @@ def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_pat
         llm.reset_prefix_cache()
         again, cached = generate(llm, prompt)
         assert cached == 896 and first == again
-        layer0 = [(m, ids, pages) for m, layer, ids, pages in loaded if layer == 0]
+        layer0 = [data for layer, data in loaded if layer == 0]
         assert len(layer0) == 1
-        mover, ids, pages = layer0[0]
+        mover, _, ids = next(t for t in targets if t[1] == 0)
         assert len(ids) == 7
         out = [np.empty(len(ids) * mover.page_bytes, dtype=np.uint8)
                for _ in range(mover.layout.num_layers)]
         gather(mover, ids, out)  # what the engine's blocks hold after the restore
         in_cache = out[0].reshape(len(ids), -1)
+        read = np.frombuffer(layer0[0], dtype=np.uint8).reshape(len(ids), -1)
         for i in range(7):
-            assert pages[i].tobytes() == written[i].tobytes() == in_cache[i].tobytes()
-    assert len(loaded) == 4  # every layer of the tiny model was restored
+            assert read[i].tobytes() == written[i].tobytes() == in_cache[i].tobytes()
+    assert sorted(layer for layer, _ in loaded) == [0, 1, 2, 3]  # every layer was restored
 
 
 def test_disk_hit_extends_a_gpu_hit(tiny_model, tmp_path):

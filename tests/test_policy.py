@@ -28,3 +28,20 @@ def test_estimates_follow_the_machine():
         m.observe_load(10_000_000, 1.0)  # the disk got slow
     assert abs(m.bandwidth.value - 10_000_000) < 1
     assert m.choose([(50_000_000, 1000)]).files == 0
+
+
+def test_a_declined_store_is_measured_again_after_a_while():
+    now = [0.0]
+    m = LoadCostModel(clock=lambda: now[0], reprobe_s=300)
+    m.observe_step(1000, 1.0)
+    m.observe_load(1_000_000, 1.0)  # 1 MB/s: far slower than recomputing
+    chain = [(50_000_000, 1000)]
+    now[0] = 299
+    assert m.choose(chain).files == 0
+    now[0] = 301
+    d = m.choose(chain)
+    assert d.files == 1 and d.probe  # one load to re-measure...
+    assert m.choose(chain).files == 0  # ...and not another until the next period
+    m.observe_load(10_000_000_000, 1.0)  # the store is fast again
+    m.observe_load(10_000_000_000, 1.0)
+    assert m.choose(chain).files == 1

@@ -7,16 +7,20 @@ happens in this engine:
   * load bandwidth (bytes/s), from completed restores;
   * prefill throughput (tokens/s), from engine steps that were mostly prefill.
 ``choose`` returns how many files of a chain to load. With no measurement yet it loads
-(the first restores are what produce the estimate). Pure: no I/O, no vLLM.
+(the first restores are what produce the estimate). A store that has been declined for
+REPROBE_S is measured again by one full load, so a disk that was slow for a while (a busy
+network volume) is not given up on for good. Pure: no I/O, no vLLM.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 ALPHA = 0.2  # weight of a new sample in the moving averages
 MIN_PREFILL_TOKENS = 256  # steps smaller than this say little about prefill speed
+REPROBE_S = 300.0  # after declining loads this long, load once to measure the store again
 
 
 @dataclass(slots=True)
@@ -34,16 +38,22 @@ class Decision:
     files: int  # how many files of the chain (from its start) to load
     load_s: float
     recompute_s: float
+    probe: bool = False  # loading although declined, to measure the store again
 
 
 class LoadCostModel:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 reprobe_s: float = REPROBE_S) -> None:
         self.bandwidth = Estimate()  # bytes per second
         self.prefill = Estimate()  # tokens per second
+        self.clock = clock
+        self.reprobe_s = reprobe_s
+        self._last_load = clock()
 
     def observe_load(self, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:
             self.bandwidth.add(nbytes / seconds)
+            self._last_load = self.clock()
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         if tokens >= MIN_PREFILL_TOKENS and seconds > 0:
@@ -67,4 +77,7 @@ class LoadCostModel:
                 best = Decision(i, load, recompute)
             elif best.files == 0:
                 best = Decision(0, load, recompute)
+        if best.files < len(files) and self.clock() - self._last_load >= self.reprobe_s:
+            self._last_load = self.clock()  # one probe per period, not one per request
+            return Decision(len(files), load, recompute, probe=True)
         return best

@@ -180,6 +180,11 @@ class SchedulerSide:
         beyond = [e for e in lookup.chain if e.tokens > num_computed]
         costs = [(e.size, e.tokens - max(e.parent_tokens, num_computed)) for e in beyond]
         decision = self.cost.choose(costs)
+        if decision.probe:
+            self.trace.line(f"probe for sha1={lookup.chain[-1].sha1} (loading although "
+                            f"recompute looked cheaper: est. load {decision.load_s * 1e3:.0f} ms "
+                            f"vs recompute {decision.recompute_s * 1e3:.0f} ms; re-measuring "
+                            f"the store)")
         if decision.files == len(beyond):
             return
         keep = len(lookup.chain) - len(beyond) + decision.files

@@ -102,6 +102,30 @@ class PageMover:
         if self._stream is not None:
             self._stream.synchronize()
 
+    @property
+    def host_resident(self) -> bool:
+        """True when the cache lives in host memory (CPU backend): files can be read
+        straight into the blocks with ``host_runs`` and no staging copy."""
+        return self._host is not None
+
+    def host_runs(self, layer: int, block_ids: Sequence[int]) -> list[memoryview]:
+        """Byte views of the pages of ``block_ids`` in one layer, in the given order,
+        consecutive ids merged into one view (fewer, larger reads)."""
+        if self._host is None:
+            raise RuntimeError("the KV cache is not host-resident")
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
+            raise ValueError(f"block id outside 0..{self.num_blocks - 1}")
+        pages = self._host[layer]
+        views: list[memoryview] = []
+        start = 0
+        for i in range(1, ids.size + 1):
+            if i == ids.size or ids[i] != ids[i - 1] + 1:
+                first, last = int(ids[start]), int(ids[i - 1])
+                views.append(memoryview(pages[first:last + 1].reshape(-1)))
+                start = i
+        return views
+
     def scatter(self, layer: int, block_ids: Sequence[int], pages: np.ndarray) -> None:
         """Write host ``pages`` (n x page_bytes bytes) into blocks ``block_ids`` of one layer."""
         n = len(block_ids)

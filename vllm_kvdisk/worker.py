@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from vllm_kvdisk.config import KVDiskConfig
-from vllm_kvdisk.format import FormatError, Payload, encode_checkpoint, read_layer_into, read_text
+from vllm_kvdisk.format import (FormatError, Meta, Payload, encode_checkpoint, pages_cached,
+                                 read_layer_into, read_text)
 from vllm_kvdisk.index import Entry
 from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta, WorkerReport
 from vllm_kvdisk.keys import Fingerprint, token_digest
@@ -151,24 +152,64 @@ class WorkerSide:
             targets = job.block_ids[first_target: first_target + p.num_blocks - skip]
             if len(targets) != p.num_blocks - skip:
                 raise ValueError("load job has fewer target blocks than the file")
-            # Two buffers, so layer i+1 is read (and checksummed) while layer i is scattered.
-            flats = [self.staging.get(meta.offsets.layer_bytes) for _ in range(2)]
-            try:
-                pending = self._readers.submit(read_layer_into, fd, meta, 0, memoryview(flats[0]))
-                for layer in range(p.layout.num_layers):
-                    pending.result()
-                    if layer + 1 < p.layout.num_layers:
-                        nxt = memoryview(flats[(layer + 1) % 2])
-                        pending = self._readers.submit(read_layer_into, fd, meta, layer + 1, nxt)
-                    pages = flats[layer % 2].reshape(p.num_blocks, mover.page_bytes)
-                    mover.scatter(layer, targets, pages[skip:])
-            finally:
-                wait([pending])  # never recycle a buffer a read is still filling
-                for flat in flats:
-                    self.staging.put(flat)
+            if mover.host_resident:
+                self._read_direct(fd, meta, skip, targets)
+            else:
+                self._read_staged(fd, meta, skip, targets)
             nbytes = meta.text_len + meta.offsets.layer_bytes * p.layout.num_layers
             self.stats.add("bytes_read", nbytes)
             return len(targets), nbytes
+
+    def _read_direct(self, fd: int, meta: Meta, skip: int, targets: list[int]) -> None:
+        """Host-resident cache: every layer is read straight into its blocks, no staging
+        copy. Pages the device already holds (``skip``) are read into scratch only to
+        verify the checksum. A file in the page cache is read by all reader threads at once
+        (one layer each); a cold one as one sequential stream in this thread. Returns only
+        when every read has ended: a failed load's blocks are recomputed, and no straggler
+        may write into them afterwards."""
+        mover = self.mover
+        scratch_bytes = skip * mover.page_bytes
+
+        def one(layer: int) -> None:
+            scratch = self.staging.get(scratch_bytes) if skip else None
+            try:
+                views = [memoryview(scratch)] if scratch is not None else []
+                read_layer_into(fd, meta, layer, views + mover.host_runs(layer, targets))
+            finally:
+                if scratch is not None:
+                    self.staging.put(scratch)
+
+        layers = range(meta.payload.layout.num_layers)
+        if not pages_cached(fd, meta):
+            for layer in layers:
+                one(layer)
+            return
+        futures = [self._readers.submit(one, layer) for layer in layers]
+        wait(futures)
+        for fut in futures:
+            fut.result()  # the first failure, if any
+
+    def _read_staged(self, fd: int, meta: Meta, skip: int, targets: list[int]) -> None:
+        """Device cache: read into host staging, then copy into the blocks. Two buffers,
+        so layer i+1 is read (and checksummed) while layer i is copied."""
+        mover = self.mover
+        p = meta.payload
+        flats = [self.staging.get(meta.offsets.layer_bytes) for _ in range(2)]
+        pending = None
+        try:
+            pending = self._readers.submit(read_layer_into, fd, meta, 0, memoryview(flats[0]))
+            for layer in range(p.layout.num_layers):
+                pending.result()
+                if layer + 1 < p.layout.num_layers:
+                    nxt = memoryview(flats[(layer + 1) % 2])
+                    pending = self._readers.submit(read_layer_into, fd, meta, layer + 1, nxt)
+                pages = flats[layer % 2].reshape(p.num_blocks, mover.page_bytes)
+                mover.scatter(layer, targets, pages[skip:])
+        finally:
+            if pending is not None:
+                wait([pending])  # never recycle a buffer a read is still filling
+            for flat in flats:
+                self.staging.put(flat)
 
     # -- step timing (for the cost-aware load policy) ---------------------------------
     def step_started(self, meta: StepMeta) -> None:
