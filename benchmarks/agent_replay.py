@@ -434,9 +434,71 @@ def token_sources(before: dict, after: dict) -> dict:
     out = {src: int(delta(f'vllm:prompt_tokens_by_source_total{{source="{src}"}}'))
            for src in ("local_compute", "local_cache_hit", "external_kv_transfer")}
     for key in after:
-        if key.startswith("vllm:kvdisk_") and key.endswith("_total") or \
-                key.startswith("vllm:kvdisk_") and "_total{" in key:
+        if key.startswith("vllm:kvdisk_") and (key.endswith(("_total", "_sum", "_count"))
+                                               or "_total{" in key):
             out[key.removeprefix("vllm:")] = delta(key)
+    return out
+
+
+def storage_limit(cache_dir: str, phases: dict, work: str, threads: int = 4) -> dict:
+    """The machine's own bandwidth on this run's checkpoint files against what the
+    server's restore and save paths achieved on them (its load/save time histograms).
+    Read limits: warm = page cache, every file read by `threads` threads; cold = each file
+    dropped from the page cache, one sequential preadv per file. Write limit: the same
+    file sizes written with writev + fsync into new files on the same file system."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    from io_bench import drop_cache, raw_read, raw_write
+
+    from vllm_kvdisk.format import READ_CHUNK
+
+    paths = [os.path.join(d, f) for d, _, fs in os.walk(cache_dir) for f in fs
+             if f.endswith(".kv") and "quarantine" not in d]
+    sizes = [os.path.getsize(p) for p in paths]
+    total = sum(sizes)
+    if not total:
+        return {}
+    buf = memoryview(np.ones(max(sizes), dtype=np.uint8))
+    pool = cf.ThreadPoolExecutor(threads)
+
+    def timed(fn, cold: bool) -> float:
+        runs = []
+        for _ in range(3):
+            if cold:
+                for p in paths:
+                    drop_cache(p)
+            t0 = time.perf_counter()
+            fn()
+            runs.append(time.perf_counter() - t0)
+        return sorted(runs)[1]
+
+    def read_all(threaded: bool) -> None:
+        for p, n in zip(paths, sizes):
+            raw_read(p, buf[:n], READ_CHUNK if threaded else n, pool if threaded else None)
+
+    read_all(True)
+    warm = timed(lambda: read_all(True), cold=False)
+    cold = timed(lambda: read_all(False), cold=True)
+    scratch = os.path.join(os.path.dirname(cache_dir), "write-limit")
+    os.makedirs(scratch, exist_ok=True)
+    counter = iter(range(10**9))
+    write = timed(lambda: [raw_write(scratch, [buf[:n]], next(counter)) for n in sizes],
+                  cold=False)
+    shutil.rmtree(scratch, ignore_errors=True)
+    pool.shutdown()
+    tok = [ph.get("tokens", {}) for ph in phases.values()]
+    read_b = sum(t.get("kvdisk_bytes_read_total", 0) for t in tok)
+    read_s = sum(t.get("kvdisk_load_seconds_sum", 0) for t in tok)
+    wrote_b = sum(t.get("kvdisk_bytes_written_total", 0) for t in tok)
+    wrote_s = sum(t.get("kvdisk_save_seconds_sum", 0) for t in tok)
+    out = {"files": len(paths), "bytes": total,
+           "limit_read_warm_gbps": total / warm / 1e9, "limit_read_cold_gbps": total / cold / 1e9,
+           "limit_write_fsync_gbps": total / write / 1e9,
+           "server_restore_bytes": read_b, "server_restore_s": read_s,
+           "server_save_bytes": wrote_b, "server_save_s": wrote_s}
+    if read_b and read_s:
+        out["server_restore_gbps"] = read_b / read_s / 1e9
+    if wrote_b and wrote_s:
+        out["server_save_gbps"] = wrote_b / wrote_s / 1e9
     return out
 
 
@@ -501,6 +563,8 @@ def run_config(name: str, model: str, wl: Workload, work: str, env: dict, args) 
     info.setdefault("status", "ok")
     info["wall_s"] = round(time.perf_counter() - t_cfg, 1)
     info["disk"] = disk_usage(cache_dir)
+    if name == "kvdisk" and info["status"] == "ok" and cache_dir:
+        info["storage_limit"] = storage_limit(cache_dir, info["phases"], work)
     if trace and os.path.exists(trace):
         lines = pathlib.Path(trace).read_text(errors="replace").splitlines()
         words = {"hit": "KV cache: hit for", "restored": "(loaded ",
@@ -676,6 +740,27 @@ def report(meta: dict, configs: dict, summary: dict, args) -> str:
         L.append("replies identical to the no-cache baseline (same session and turn): "
                  + ", ".join(f"{k} {v}" for k, v in summary["replies_equal_to_none"].items()))
     kvinfo = configs.get("kvdisk", {})
+    lim = kvinfo.get("storage_limit")
+    if lim:
+        L.append("")
+        L.append(f"storage limit on this run's {lim['files']} kvdisk files "
+                 f"({lim['bytes'] / 1e6:.0f} MB), measured after the run: read "
+                 f"{lim['limit_read_warm_gbps']:.2f} GB/s from the page cache (4 threads), "
+                 f"{lim['limit_read_cold_gbps']:.2f} GB/s cold; write+fsync "
+                 f"{lim['limit_write_fsync_gbps']:.2f} GB/s")
+        if "server_restore_gbps" in lim:
+            r = lim["server_restore_gbps"]
+            L.append(f"  server restores: {lim['server_restore_bytes'] / 1e6:.0f} MB in "
+                     f"{lim['server_restore_s'] * 1e3:.0f} ms = {r:.2f} GB/s -> restore/limit "
+                     f"{r / lim['limit_read_warm_gbps']:.2f} (page cache), "
+                     f"{r / lim['limit_read_cold_gbps']:.2f} (cold)")
+        if "server_save_gbps" in lim:
+            w = lim["server_save_gbps"]
+            L.append(f"  server saves: {lim['server_save_bytes'] / 1e6:.0f} MB in "
+                     f"{lim['server_save_s'] * 1e3:.0f} ms = {w:.2f} GB/s -> save/limit "
+                     f"{w / lim['limit_write_fsync_gbps']:.2f}")
+        L.append("  (server times are per load/save job while the engine computes on the same "
+                 "2 cores; a job covers every file of a chain, its metadata and hit-count update)")
     if kvinfo.get("trace_counts"):
         L.append("kvdisk trace: " + ", ".join(f"{k} {v}" for k, v in
                                                kvinfo["trace_counts"].items()))

@@ -5,7 +5,8 @@
 Uses the same PageMover and StagingPool the worker uses. On the CPU it times gathering
 a request's blocks of every layer into reused host buffers and scattering them back,
 against one contiguous tensor copy of the same bytes; where CUDA is present it also runs
-with the KV cache on the GPU (host side: the staging buffers; side stream). Prints GB/s
+with the KV cache on the GPU (host side: pinned staging buffers, as the worker
+allocates them for a GPU; copies on a side stream). Prints GB/s
 and the ratio to the plain copy.
 """
 
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from vllm_kvdisk.staging import StagingPool
-from vllm_kvdisk.transfer import PageMover
+from vllm_kvdisk.transfer import PageMover, pinned_buffer
 
 
 def timed(fn, repeat: int, sync) -> float:
@@ -42,7 +43,7 @@ def run(device: str, args: argparse.Namespace) -> None:
     mover = PageMover(layers, 128, f"{device}:bench")
     rng = np.random.default_rng(0)
     ids = sorted(rng.choice(total, args.blocks, replace=False).tolist())
-    pool = StagingPool(1 << 34)
+    pool = StagingPool(1 << 34, allocate=pinned_buffer) if device == "cuda" else StagingPool(1 << 34)
     nbytes = args.blocks * mover.page_bytes
     bufs = [pool.get(nbytes) for _ in range(args.layers)]
     moved = nbytes * args.layers

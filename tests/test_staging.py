@@ -16,3 +16,20 @@ def test_buffers_are_reused_by_size_class_and_capped():
     assert pool.kept_bytes == 0
     pool.put(np.zeros(10, dtype=np.float32))  # foreign arrays are ignored
     assert pool.kept_bytes == 0
+
+
+def test_custom_allocator_buffers_are_pooled_too():
+    import torch
+
+    made = []
+
+    def torch_buffer(nbytes):  # the GPU path's shape: a numpy view of a torch tensor
+        made.append(nbytes)
+        return torch.zeros(nbytes, dtype=torch.uint8).numpy()
+
+    pool = StagingPool(max_bytes=1 << 20, allocate=torch_buffer)
+    a = pool.get(3000)
+    assert made == [4096] and a.nbytes == 3000 and not a.any()
+    pool.put(a)
+    b = pool.get(4000)
+    assert made == [4096] and b.base is a.base  # reused, not allocated again

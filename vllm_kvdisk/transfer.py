@@ -48,6 +48,15 @@ def unique_layers(kv_caches: dict[str, torch.Tensor]) -> list[tuple[str, torch.T
     return out
 
 
+def pinned_buffer(nbytes: int) -> np.ndarray:
+    """Page-locked host memory as a uint8 numpy array (it keeps its tensor alive), so
+    copies to and from a GPU are DMA transfers; plain memory if pinning is refused."""
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+    except RuntimeError:
+        return np.empty(nbytes, dtype=np.uint8)
+
+
 class PageMover:
     def __init__(self, layers: Sequence[torch.Tensor], block_size: int, layout_name: str):
         if not layers:

@@ -34,7 +34,7 @@ from vllm_kvdisk.metrics import KVDiskStats, StatsRecorder
 from vllm_kvdisk.staging import StagingPool
 from vllm_kvdisk.store import Store
 from vllm_kvdisk.trace import Trace
-from vllm_kvdisk.transfer import PageMover, unique_layers
+from vllm_kvdisk.transfer import PageMover, pinned_buffer, unique_layers
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,8 @@ class WorkerSide:
     def register(self, kv_caches: dict[str, Any]) -> None:
         layers = [t for _, t in unique_layers(kv_caches)]
         self.mover = PageMover(layers, self.block_size, self.base_fp.layout.split("/")[0])
+        if self.mover.device.type == "cuda":
+            self.staging = StagingPool(self.staging.max_bytes, allocate=pinned_buffer)
         self.store.scan()
         log.info("kvdisk worker: %d layers, page %d bytes, %d checkpoint(s) on disk",
                  len(layers), self.mover.page_bytes, len(self.store.index))
