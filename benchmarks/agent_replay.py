@@ -447,9 +447,7 @@ def storage_limit(cache_dir: str, phases: dict, work: str, threads: int = 4) -> 
     dropped from the page cache, one sequential preadv per file. Write limit: the same
     file sizes written with writev + fsync into new files on the same file system."""
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    from io_bench import drop_cache, raw_read, raw_write
-
-    from vllm_kvdisk.format import READ_CHUNK
+    from io_bench import CHUNK, drop_cache, raw_read, raw_write
 
     paths = [os.path.join(d, f) for d, _, fs in os.walk(cache_dir) for f in fs
              if f.endswith(".kv") and "quarantine" not in d]
@@ -473,7 +471,7 @@ def storage_limit(cache_dir: str, phases: dict, work: str, threads: int = 4) -> 
 
     def read_all(threaded: bool) -> None:
         for p, n in zip(paths, sizes):
-            raw_read(p, buf[:n], READ_CHUNK if threaded else n, pool if threaded else None)
+            raw_read(p, buf[:n], CHUNK if threaded else n, pool if threaded else None)
 
     read_all(True)
     warm = timed(lambda: read_all(True), cold=False)

@@ -30,12 +30,13 @@ import numpy as np
 import torch
 
 from vllm_kvdisk.config import load_config
-from vllm_kvdisk.format import READ_CHUNK, Reason
+from vllm_kvdisk.format import Reason
 from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta
 from vllm_kvdisk.keys import Fingerprint
 from vllm_kvdisk.worker import WorkerSide
 
 BLOCK = 128
+CHUNK = 4 << 20  # preadv size of the chunked baselines
 
 
 def drop_cache(path: str) -> None:
@@ -154,8 +155,8 @@ def main() -> None:
         # The limit is the best of: one preadv for the whole file, 4 MiB preadv calls in
         # one thread, and 4 MiB calls from every I/O thread on its own range.
         contenders = {"raw 1 call": lambda: raw_read(path, buf, size),
-                      "raw 1 thread": lambda: raw_read(path, buf, READ_CHUNK),
-                      f"raw {args.threads} threads": lambda: raw_read(path, buf, READ_CHUNK, pool),
+                      "raw 1 thread": lambda: raw_read(path, buf, CHUNK),
+                      f"raw {args.threads} threads": lambda: raw_read(path, buf, CHUNK, pool),
                       "restore": load}
         results: dict[str, dict[str, list[float]]] = {"warm": {}, "cold": {}}
         for fn in contenders.values():

@@ -157,3 +157,19 @@ def test_host_runs_merge_consecutive_blocks(side):
     assert bytes(runs[1]) == layers[0][2].numpy().tobytes()
     with pytest.raises(ValueError):
         w.mover.host_runs(0, [BLOCKS])
+
+
+@pytest.mark.parametrize("us,expected", [(700, 0.0007), (0, 0.005), (9000, 0.005)])
+def test_worker_shortens_the_gil_switch_interval(tmp_path, us, expected):
+    import sys
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    try:
+        cfg = load_config({"kv_disk_dir": str(tmp_path), "kv_disk_gil_switch_us": us})
+        w = WorkerSide(cfg, Fingerprint("m", "0", "float32", "cpu:test/1", BLOCK, 1, 0), BLOCK)
+        w.register({"l0": torch.zeros(4, 2, BLOCK, 8)})
+        w.shutdown()
+        assert sys.getswitchinterval() == pytest.approx(expected)  # never lengthened
+    finally:
+        sys.setswitchinterval(before)

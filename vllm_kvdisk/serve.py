@@ -30,6 +30,7 @@ FLAGS: dict[str, tuple[str, type]] = {
     "--kv-cache-boundary-align-tokens": ("kv_cache_boundary_align_tokens", int),
     "--tool-memory-max-ids": ("tool_memory_max_ids", int),
     "--kv-disk-io-threads": ("kv_disk_io_threads", int),
+    "--kv-disk-gil-switch-us": ("kv_disk_gil_switch_us", int),
     "--kv-disk-load-policy": ("kv_disk_load_policy", str),
     "--trace": ("trace", str),
 }

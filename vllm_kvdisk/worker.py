@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -72,8 +73,16 @@ class WorkerSide:
         if self.mover.device.type == "cuda":
             self.staging = StagingPool(self.staging.max_bytes, allocate=pinned_buffer)
         self.store.scan()
+        self._shorten_gil_switch()
         log.info("kvdisk worker: %d layers, page %d bytes, %d checkpoint(s) on disk",
                  len(layers), self.mover.page_bytes, len(self.store.index))
+
+    def _shorten_gil_switch(self) -> None:
+        want = self.config.kv_disk_gil_switch_us / 1e6
+        if want and want < sys.getswitchinterval():
+            log.info("kvdisk: GIL switch interval %.0f -> %.0f us, so I/O threads are not "
+                     "starved by the engine loop", sys.getswitchinterval() * 1e6, want * 1e6)
+            sys.setswitchinterval(want)
 
     def _fp(self, scope: Scope) -> Fingerprint:
         key = (scope.lora, scope.salt_digest)
@@ -100,12 +109,15 @@ class WorkerSide:
         t0 = time.perf_counter()
         loaded_blocks = 0
         read_bytes = 0
+        used: list[str] = []
         for file in job.files:
             try:
                 blocks, nbytes = self._load_file(ns, fp, file, job)
                 loaded_blocks += blocks
                 read_bytes += nbytes
+                used.append(file.sha1)
             except Exception as exc:  # noqa: BLE001 - any failure means "recompute"
+                self._touch_later(ns, used)
                 self.stats.count("lookups", "load_failed:")
                 if isinstance(exc, FormatError):
                     self.stats.add("quarantined")
@@ -120,8 +132,8 @@ class WorkerSide:
                 self.trace.line(f"miss for sha1={file.sha1} (reason: load failed: {exc}; "
                                 f"{len(bad)} block(s) will be recomputed)")
                 return bad
-            self.store.touch(ns, file.sha1)
         seconds = time.perf_counter() - t0
+        self._touch_later(ns, used)
         self.stats.observe("load_seconds", seconds)
         with self._lock:
             self._report.loads.append((read_bytes, seconds))
@@ -132,6 +144,16 @@ class WorkerSide:
         self.trace.line(f"hit for sha1={sha} (loaded {loaded_blocks * self.block_size} tokens "
                         f"from {len(job.files)} file(s), {ms:.0f} ms)")
         return []
+
+    def _touch_later(self, ns: str, sha1s: list[str]) -> None:
+        """Hit counts and last-used times, off the restore's critical path (five system
+        calls per file, each a wait for the GIL in a busy engine process)."""
+        if not sha1s:
+            return
+        try:
+            self.pool.submit(lambda: [self.store.touch(ns, sha1) for sha1 in sha1s])
+        except RuntimeError:  # shutting down: the pool takes no more work
+            pass
 
     def _load_file(self, ns: str, fp: Fingerprint, file: LoadFile, job: LoadJob) -> tuple[int, int]:
         """Restore one file's blocks; returns (blocks restored, bytes read)."""
