@@ -75,6 +75,40 @@ def test_round_trip(tmp_path):
     os.close(fd)
 
 
+def test_layers_read_in_one_go_into_split_buffers_survive_short_reads(tmp_path, monkeypatch):
+    """Both layers in one call, each into three pieces (as runs of blocks would be); the
+    kernel may return fewer bytes than asked (here: at most 5 per call)."""
+    import vllm_kvdisk.format as fmt
+
+    raw = golden_checkpoint(True)
+    fd = write(tmp_path, raw)
+    meta = read_meta(fd, len(raw))
+    real = os.preadv
+    calls = []
+
+    def short(fd_, views, at, *flags):
+        calls.append(len(views))
+        budget, cut = 5, []
+        for v in views:
+            cut.append(v[:budget])
+            budget -= len(cut[-1])
+            if not budget:
+                break
+        return real(fd_, cut, at, *flags)
+
+    monkeypatch.setattr(fmt.os, "preadv", short)
+    bufs = [[memoryview(bytearray(n)) for n in (3, 16, 13)] for _ in range(2)]
+    fmt.read_layers_into(fd, meta, 0, bufs)
+    for layer, views in enumerate(bufs):
+        assert np.frombuffer(b"".join(bytes(v) for v in views), "<f4").tolist() == [layer + 0.5] * 8
+    assert len(calls) == 64 // 5 + 1 and calls[0] == 6  # every piece of both layers at once
+    with pytest.raises(ValueError):
+        fmt.read_layers_into(fd, meta, 1, bufs)  # layer 2 does not exist
+    with pytest.raises(ValueError):
+        fmt.read_layers_into(fd, meta, 0, [[memoryview(bytearray(31))]])
+    os.close(fd)
+
+
 def test_logits_flag_and_future_versions_are_unsupported(tmp_path):
     raw = bytearray(golden_checkpoint(False))
     raw[6] |= 4

@@ -461,37 +461,53 @@ def read_tokens(fd: int, meta: Meta) -> bytes:
 IOV_MAX = 1024
 
 
-def read_layer_into(fd: int, meta: Meta, layer: int, out: memoryview | Sequence[memoryview]) -> None:
-    """Read one layer's pages into ``out`` and verify its checksum.
+def read_layers_into(fd: int, meta: Meta, first: int,
+                     outs: Sequence[memoryview | Sequence[memoryview]]) -> None:
+    """Read layers ``first, first+1, ...`` (one per item of ``outs``) and verify each
+    layer's checksum.
 
-    ``out`` is one byte buffer of exactly layer_bytes, or a list of byte buffers that
+    Each item is one byte buffer of exactly layer_bytes, or a list of byte buffers that
     together hold exactly layer_bytes in file order (e.g. runs of the engine's own blocks,
-    so pages land where they are used with no extra copy). The whole layer is one preadv
-    (few system calls: inside a busy engine process every return from one waits for the
-    GIL), then one hash pass. On a checksum mismatch the buffers hold unverified bytes:
-    the caller must treat them as garbage.
+    so pages land where they are used with no extra copy). Consecutive layers are
+    contiguous in the file, so all of them are read by one preadv (batched by IOV_MAX):
+    few system calls, because inside a busy engine process every return from one waits
+    for the GIL. Then one hash pass per layer. On a checksum mismatch the buffers hold
+    unverified bytes: the caller must treat them as garbage.
     """
-    views = [out] if isinstance(out, memoryview) else list(out)
     want = meta.offsets.layer_bytes
-    have = sum(v.nbytes for v in views)
-    if have != want:
-        raise ValueError(f"buffers of {have} bytes for a layer of {want}")
-    at = meta.offsets.layer(layer)
-    pending = [v for v in views if v.nbytes]
-    while pending:
-        got = os.preadv(fd, pending[:IOV_MAX], at)
+    layers = []
+    for i, out in enumerate(outs):
+        views = [out] if isinstance(out, memoryview) else list(out)
+        have = sum(v.nbytes for v in views)
+        if have != want:
+            raise ValueError(f"buffers of {have} bytes for layer {first + i} of {want}")
+        layers.append(views)
+    if first < 0 or first + len(layers) > meta.payload.layout.num_layers:
+        raise ValueError(f"layers {first}..{first + len(layers) - 1} outside the file")
+    at = meta.offsets.layer(first)
+    pending = [v for views in layers for v in views if v.nbytes]
+    head = 0  # pending[head:] is still to read
+    while head < len(pending):
+        got = os.preadv(fd, pending[head:head + IOV_MAX], at)
         if got <= 0:
-            raise FormatError(f"truncated file in layer {layer}")
+            raise FormatError(f"truncated file in layers {first}..{first + len(layers) - 1}")
         at += got
-        while pending and got >= pending[0].nbytes:  # drop what is complete
-            got -= pending.pop(0).nbytes
+        while head < len(pending) and got >= pending[head].nbytes:  # complete buffers
+            got -= pending[head].nbytes
+            head += 1
         if got:
-            pending[0] = pending[0][got:]
-    hasher = xxhash.xxh3_64()
-    for view in views:
-        hasher.update(view)
-    if hasher.intdigest() != meta.payload.checksums[layer + 1]:
-        raise FormatError(f"checksum mismatch in layer {layer}")
+            pending[head] = pending[head][got:]
+    for i, views in enumerate(layers):
+        hasher = xxhash.xxh3_64()
+        for view in views:
+            hasher.update(view)
+        if hasher.intdigest() != meta.payload.checksums[first + i + 1]:
+            raise FormatError(f"checksum mismatch in layer {first + i}")
+
+
+def read_layer_into(fd: int, meta: Meta, layer: int, out: memoryview | Sequence[memoryview]) -> None:
+    """Read one layer's pages into ``out`` and verify its checksum (see read_layers_into)."""
+    read_layers_into(fd, meta, layer, [out])
 
 
 def pages_cached(fd: int, meta: Meta) -> bool:

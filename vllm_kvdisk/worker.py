@@ -27,7 +27,7 @@ import numpy as np
 
 from vllm_kvdisk.config import KVDiskConfig
 from vllm_kvdisk.format import (FormatError, Meta, Payload, encode_checkpoint, pages_cached,
-                                 read_layer_into, read_text)
+                                 read_layer_into, read_layers_into, read_text)
 from vllm_kvdisk.index import Entry
 from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta, WorkerReport
 from vllm_kvdisk.keys import Fingerprint, token_digest
@@ -185,31 +185,36 @@ class WorkerSide:
             return len(targets), nbytes
 
     def _read_direct(self, fd: int, meta: Meta, skip: int, targets: list[int]) -> None:
-        """Host-resident cache: every layer is read straight into its blocks, no staging
-        copy. Pages the device already holds (``skip``) are read into scratch only to
-        verify the checksum. A file in the page cache is read by all reader threads at once
-        (one layer each); a cold one as one sequential stream in this thread. Returns only
-        when every read has ended: a failed load's blocks are recomputed, and no straggler
-        may write into them afterwards."""
+        """Host-resident cache: layers are read straight into their blocks, no staging
+        copy; pages the device already holds (``skip``) go to scratch, only to verify the
+        checksum. A cold file is one sequential stream (one preadv for every layer); a
+        file in the page cache is split into one group of consecutive layers per reader
+        thread, the first group read in this thread. Few tasks and few system calls keep
+        GIL hand-offs (each one a wait while the engine loop runs) to a minimum. Returns
+        only when every read has ended: a failed load's blocks are recomputed, and no
+        straggler may write into them afterwards."""
         mover = self.mover
+        num_layers = meta.payload.layout.num_layers
         scratch_bytes = skip * mover.page_bytes
+        groups = self.config.kv_disk_io_threads if pages_cached(fd, meta) else 1
+        bounds = np.linspace(0, num_layers, min(groups, num_layers) + 1).astype(int)
 
-        def one(layer: int) -> None:
-            scratch = self.staging.get(scratch_bytes) if skip else None
+        def read_group(first: int, stop: int) -> None:
+            scratch = [self.staging.get(scratch_bytes) for _ in range(stop - first)] if skip else []
             try:
-                views = [memoryview(scratch)] if scratch is not None else []
-                read_layer_into(fd, meta, layer, views + mover.host_runs(layer, targets))
+                outs = [([memoryview(scratch[i - first])] if skip else [])
+                        + mover.host_runs(i, targets) for i in range(first, stop)]
+                read_layers_into(fd, meta, first, outs)
             finally:
-                if scratch is not None:
-                    self.staging.put(scratch)
+                for buf in scratch:
+                    self.staging.put(buf)
 
-        layers = range(meta.payload.layout.num_layers)
-        if not pages_cached(fd, meta):
-            for layer in layers:
-                one(layer)
-            return
-        futures = [self._readers.submit(one, layer) for layer in layers]
-        wait(futures)
+        futures = [self._readers.submit(read_group, int(a), int(b))
+                   for a, b in zip(bounds[1:-1], bounds[2:])]
+        try:
+            read_group(int(bounds[0]), int(bounds[1]))
+        finally:
+            wait(futures)
         for fut in futures:
             fut.result()  # the first failure, if any
 
