@@ -7,7 +7,9 @@ a request's blocks of every layer into reused host buffers and scattering them b
 against one contiguous tensor copy of the same bytes; where CUDA is present it also runs
 with the KV cache on the GPU (host side: pinned staging buffers, as the worker
 allocates them for a GPU; copies on a side stream). Prints GB/s
-and the ratio to the plain copy.
+and the ratio to the plain copy. (Saves gather on every backend; restores scatter only
+into a device cache: a host-resident CPU cache is read straight into its blocks, see
+io_bench.py.)
 """
 
 from __future__ import annotations

@@ -98,7 +98,9 @@ class PageMover:
             if n and (ids.min() < 0 or ids.max() >= self.num_blocks):
                 raise ValueError(f"block id outside 0..{self.num_blocks - 1}")
             for src, dst in zip(self._host, out):
-                np.take(src, ids, axis=0, out=dst.reshape(n, self.page_bytes))
+                # mode="clip": ids are checked above, and "raise" buffers the output
+                # (measured: half the speed of a plain copy instead of 0.8).
+                np.take(src, ids, axis=0, out=dst.reshape(n, self.page_bytes), mode="clip")
             return
         idx = self._index(block_ids)
         if self._stream is not None:
