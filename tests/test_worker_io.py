@@ -100,8 +100,11 @@ def test_staged_restore_for_a_cache_outside_host_memory(side):
         assert got.tobytes() == t[src].numpy().tobytes()
 
 
-def test_partial_restore_behind_a_device_hit_leaves_the_local_blocks_alone(side):
+@pytest.mark.parametrize("cached", [True, False], ids=["page-cache-parallel", "cold-sequential"])
+def test_partial_restore_behind_a_device_hit_leaves_the_local_blocks_alone(side, monkeypatch,
+                                                                           cached):
     w, layers, _ = side
+    monkeypatch.setattr(worker_mod, "pages_cached", lambda fd, meta: cached)
     sha1 = save(w, list(range(FILE_BLOCKS)))
     before = [t.clone() for t in layers]
     # The device already holds the first 3 blocks; only blocks 3.. are read into 50..54.
@@ -112,8 +115,10 @@ def test_partial_restore_behind_a_device_hit_leaves_the_local_blocks_alone(side)
         assert torch.equal(t[:50], old[:50]) and torch.equal(t[55:], old[55:])
 
 
-def test_corrupt_layer_reports_every_block_bad_and_quarantines(side, monkeypatch):
+@pytest.mark.parametrize("cached", [True, False], ids=["page-cache-parallel", "cold-sequential"])
+def test_corrupt_layer_reports_every_block_bad_and_quarantines(side, monkeypatch, cached):
     w, _, ns = side
+    monkeypatch.setattr(worker_mod, "pages_cached", lambda fd, meta: cached)
     sha1 = save(w, list(range(FILE_BLOCKS)))
     path = w.store.path(ns, sha1)
     with open(path, "rb") as f:

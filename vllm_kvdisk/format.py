@@ -462,7 +462,7 @@ IOV_MAX = 1024
 
 
 def read_layers_into(fd: int, meta: Meta, first: int,
-                     outs: Sequence[memoryview | Sequence[memoryview]]) -> None:
+                     outs: Sequence[memoryview | Sequence[memoryview]], verify: bool = True) -> None:
     """Read layers ``first, first+1, ...`` (one per item of ``outs``) and verify each
     layer's checksum.
 
@@ -472,18 +472,11 @@ def read_layers_into(fd: int, meta: Meta, first: int,
     contiguous in the file, so all of them are read by one preadv (batched by IOV_MAX):
     few system calls, because inside a busy engine process every return from one waits
     for the GIL. Then one hash pass per layer. On a checksum mismatch the buffers hold
-    unverified bytes: the caller must treat them as garbage.
+    unverified bytes: the caller must treat them as garbage. ``verify=False`` skips the
+    hashing, for a caller that runs ``verify_layers`` itself (e.g. on another thread while
+    the next layers are read); the bytes are unverified until it has.
     """
-    want = meta.offsets.layer_bytes
-    layers = []
-    for i, out in enumerate(outs):
-        views = [out] if isinstance(out, memoryview) else list(out)
-        have = sum(v.nbytes for v in views)
-        if have != want:
-            raise ValueError(f"buffers of {have} bytes for layer {first + i} of {want}")
-        layers.append(views)
-    if first < 0 or first + len(layers) > meta.payload.layout.num_layers:
-        raise ValueError(f"layers {first}..{first + len(layers) - 1} outside the file")
+    layers = _layer_views(meta, first, outs)
     at = meta.offsets.layer(first)
     pending = [v for views in layers for v in views if v.nbytes]
     head = 0  # pending[head:] is still to read
@@ -497,7 +490,28 @@ def read_layers_into(fd: int, meta: Meta, first: int,
             head += 1
         if got:
             pending[head] = pending[head][got:]
-    for i, views in enumerate(layers):
+    if verify:
+        verify_layers(meta, first, outs)
+
+
+def _layer_views(meta: Meta, first: int,
+                 outs: Sequence[memoryview | Sequence[memoryview]]) -> list[list[memoryview]]:
+    want = meta.offsets.layer_bytes
+    layers = []
+    for i, out in enumerate(outs):
+        views = [out] if isinstance(out, memoryview) else list(out)
+        have = sum(v.nbytes for v in views)
+        if have != want:
+            raise ValueError(f"buffers of {have} bytes for layer {first + i} of {want}")
+        layers.append(views)
+    if first < 0 or first + len(layers) > meta.payload.layout.num_layers:
+        raise ValueError(f"layers {first}..{first + len(layers) - 1} outside the file")
+    return layers
+
+
+def verify_layers(meta: Meta, first: int, outs: Sequence[memoryview | Sequence[memoryview]]) -> None:
+    """Check the checksums of layers ``first, ...`` read into ``outs``; FormatError if not."""
+    for i, views in enumerate(_layer_views(meta, first, outs)):
         hasher = xxhash.xxh3_64()
         for view in views:
             hasher.update(view)

@@ -27,7 +27,7 @@ import numpy as np
 
 from vllm_kvdisk.config import KVDiskConfig
 from vllm_kvdisk.format import (FormatError, Meta, Payload, encode_checkpoint, pages_cached,
-                                 read_layer_into, read_layers_into, read_text)
+                                 read_layer_into, read_layers_into, read_text, verify_layers)
 from vllm_kvdisk.index import Entry
 from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta, WorkerReport
 from vllm_kvdisk.keys import Fingerprint, token_digest
@@ -187,34 +187,46 @@ class WorkerSide:
     def _read_direct(self, fd: int, meta: Meta, skip: int, targets: list[int]) -> None:
         """Host-resident cache: layers are read straight into their blocks, no staging
         copy; pages the device already holds (``skip``) go to scratch, only to verify the
-        checksum. A cold file is one sequential stream (one preadv for every layer); a
-        file in the page cache is split into one group of consecutive layers per reader
-        thread, the first group read in this thread. Few tasks and few system calls keep
-        GIL hand-offs (each one a wait while the engine loop runs) to a minimum. Returns
-        only when every read has ended: a failed load's blocks are recomputed, and no
+        checksum. A file in the page cache is split into one group of consecutive layers
+        per reader thread (one preadv each), the first group read in this thread: few
+        tasks and system calls keep GIL hand-offs (each a wait while the engine loop runs)
+        down. A cold file is one sequential stream, a layer at a time in this thread,
+        each layer hashed on a reader thread while the next one is read. Returns only
+        when every read has ended: a failed load's blocks are recomputed, and no
         straggler may write into them afterwards."""
         mover = self.mover
         num_layers = meta.payload.layout.num_layers
         scratch_bytes = skip * mover.page_bytes
-        groups = self.config.kv_disk_io_threads if pages_cached(fd, meta) else 1
-        bounds = np.linspace(0, num_layers, min(groups, num_layers) + 1).astype(int)
+        scratch: list[np.ndarray] = []
 
-        def read_group(first: int, stop: int) -> None:
-            scratch = [self.staging.get(scratch_bytes) for _ in range(stop - first)] if skip else []
-            try:
-                outs = [([memoryview(scratch[i - first])] if skip else [])
-                        + mover.host_runs(i, targets) for i in range(first, stop)]
-                read_layers_into(fd, meta, first, outs)
-            finally:
-                for buf in scratch:
-                    self.staging.put(buf)
+        def outs(first: int, stop: int) -> list[list[memoryview]]:
+            views = []
+            for layer in range(first, stop):
+                head = []
+                if skip:
+                    scratch.append(self.staging.get(scratch_bytes))
+                    head = [memoryview(scratch[-1])]
+                views.append(head + mover.host_runs(layer, targets))
+            return views
 
-        futures = [self._readers.submit(read_group, int(a), int(b))
-                   for a, b in zip(bounds[1:-1], bounds[2:])]
+        futures: list[Future] = []
         try:
-            read_group(int(bounds[0]), int(bounds[1]))
+            if pages_cached(fd, meta):
+                bounds = np.linspace(0, num_layers, min(self.config.kv_disk_io_threads,
+                                                        num_layers) + 1).astype(int)
+                groups = [(int(a), outs(int(a), int(b))) for a, b in zip(bounds, bounds[1:])]
+                futures = [self._readers.submit(read_layers_into, fd, meta, first, views)
+                           for first, views in groups[1:]]
+                read_layers_into(fd, meta, groups[0][0], groups[0][1])
+            else:
+                for layer in range(num_layers):
+                    views = outs(layer, layer + 1)
+                    read_layers_into(fd, meta, layer, views, verify=False)
+                    futures.append(self._readers.submit(verify_layers, meta, layer, views))
         finally:
             wait(futures)
+            for buf in scratch:
+                self.staging.put(buf)
         for fut in futures:
             fut.result()  # the first failure, if any
 
