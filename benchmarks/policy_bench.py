@@ -55,24 +55,18 @@ class TokenBucket:
 
 
 def throttle_reads(bucket: TokenBucket | None) -> None:
-    """Make the worker's page reads (both read paths) wait on ``bucket``; None undoes it."""
+    """Make the worker's layer reads wait on ``bucket``; None undoes it."""
     import vllm_kvdisk.format as fmt
     import vllm_kvdisk.worker as worker_mod
 
     if bucket is None:
-        worker_mod.read_layers_into = fmt.read_layers_into
         worker_mod.read_layer_into = fmt.read_layer_into
         return
-
-    def slow_layers(fd, meta, first, outs):
-        fmt.read_layers_into(fd, meta, first, outs)
-        bucket.take(meta.offsets.layer_bytes * len(outs))
 
     def slow_layer(fd, meta, layer, out):
         fmt.read_layer_into(fd, meta, layer, out)
         bucket.take(meta.offsets.layer_bytes)
 
-    worker_mod.read_layers_into = slow_layers
     worker_mod.read_layer_into = slow_layer
 
 

@@ -41,7 +41,7 @@ def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_pat
     loaded: list[tuple[int, bytes]] = []  # (layer, bytes the restore read into the blocks)
     targets: list[tuple[object, int, list[int]]] = []  # (mover, layer, block ids)
     gather, host_runs = PageMover.gather, PageMover.host_runs
-    read_layers_into = worker_mod.read_layers_into
+    read_layer_into = worker_mod.read_layer_into
 
     def spy_gather(self, block_ids, out):
         gather(self, block_ids, out)
@@ -53,14 +53,13 @@ def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_pat
         targets.append((self, layer, list(block_ids)))
         return host_runs(self, layer, block_ids)
 
-    def spy_read(fd, meta, first, outs):
-        read_layers_into(fd, meta, first, outs)
-        for i, out in enumerate(outs):
-            loaded.append((first + i, b"".join(bytes(v) for v in out)))
+    def spy_read(fd, meta, layer, out):
+        read_layer_into(fd, meta, layer, out)
+        loaded.append((layer, b"".join(bytes(v) for v in out)))
 
     monkeypatch.setattr(PageMover, "gather", spy_gather)
     monkeypatch.setattr(PageMover, "host_runs", spy_host_runs)
-    monkeypatch.setattr(worker_mod, "read_layers_into", spy_read)
+    monkeypatch.setattr(worker_mod, "read_layer_into", spy_read)
     prompt = random_prompt(1000, seed=2)  # one checkpoint: 896 tokens = 7 blocks
     with engine(tiny_model, str(tmp_path / "kv")) as llm:
         first, _ = generate(llm, prompt)

@@ -85,13 +85,13 @@ def test_auto_policy_recomputes_when_the_store_is_slow(tiny_model, tmp_path, mon
     engine's prefill; after measuring one restore, `auto` recomputes instead."""
     import vllm_kvdisk.worker as worker_mod
 
-    real_read = worker_mod.read_layers_into
+    real_read = worker_mod.read_layer_into
 
-    def slow_read(fd, meta, first, outs):
-        time.sleep(0.25 * len(outs))  # per layer read
-        return real_read(fd, meta, first, outs)
+    def slow_read(*args, **kwargs):
+        time.sleep(0.25)  # per layer read
+        return real_read(*args, **kwargs)
 
-    monkeypatch.setattr(worker_mod, "read_layers_into", slow_read)
+    monkeypatch.setattr(worker_mod, "read_layer_into", slow_read)
     kv, trace = str(tmp_path / "kv"), str(tmp_path / "trace.txt")
     first, second = random_prompt(1500, seed=40), random_prompt(1500, seed=41)
     with engine(tiny_model, kv, trace=trace, kv_disk_load_policy="auto") as llm:

@@ -462,7 +462,7 @@ IOV_MAX = 1024
 
 
 def read_layers_into(fd: int, meta: Meta, first: int,
-                     outs: Sequence[memoryview | Sequence[memoryview]], verify: bool = True) -> None:
+                     outs: Sequence[memoryview | Sequence[memoryview]]) -> None:
     """Read layers ``first, first+1, ...`` (one per item of ``outs``) and verify each
     layer's checksum.
 
@@ -472,9 +472,7 @@ def read_layers_into(fd: int, meta: Meta, first: int,
     contiguous in the file, so all of them are read by one preadv (batched by IOV_MAX):
     few system calls, because inside a busy engine process every return from one waits
     for the GIL. Then one hash pass per layer. On a checksum mismatch the buffers hold
-    unverified bytes: the caller must treat them as garbage. ``verify=False`` skips the
-    hashing, for a caller that runs ``verify_layers`` itself (e.g. on another thread while
-    the next layers are read); the bytes are unverified until it has.
+    unverified bytes: the caller must treat them as garbage.
     """
     layers = _layer_views(meta, first, outs)
     at = meta.offsets.layer(first)
@@ -490,8 +488,7 @@ def read_layers_into(fd: int, meta: Meta, first: int,
             head += 1
         if got:
             pending[head] = pending[head][got:]
-    if verify:
-        verify_layers(meta, first, outs)
+    verify_layers(meta, first, outs)
 
 
 def _layer_views(meta: Meta, first: int,
