@@ -39,8 +39,8 @@ def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_pat
 
     written: dict[int, np.ndarray] = {}  # block index in the request -> page bytes, layer 0
     loaded: list[tuple[int, bytes]] = []  # (layer, bytes the restore read into the blocks)
-    targets: list[tuple[object, int, list[int]]] = []  # (mover, layer, block ids)
-    gather, host_runs = PageMover.gather, PageMover.host_runs
+    targets: list[tuple[object, list[int]]] = []  # (mover, block ids) of each file restored
+    gather, block_runs = PageMover.gather, PageMover.block_runs
     read_layer_into = worker_mod.read_layer_into
 
     def spy_gather(self, block_ids, out):
@@ -49,16 +49,16 @@ def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_pat
         for i, _ in enumerate(block_ids):
             written[len(written)] = rows[i].copy()
 
-    def spy_host_runs(self, layer, block_ids):
-        targets.append((self, layer, list(block_ids)))
-        return host_runs(self, layer, block_ids)
+    def spy_block_runs(self, block_ids):
+        targets.append((self, list(block_ids)))
+        return block_runs(self, block_ids)
 
     def spy_read(fd, meta, layer, out):
         read_layer_into(fd, meta, layer, out)
         loaded.append((layer, b"".join(bytes(v) for v in out)))
 
     monkeypatch.setattr(PageMover, "gather", spy_gather)
-    monkeypatch.setattr(PageMover, "host_runs", spy_host_runs)
+    monkeypatch.setattr(PageMover, "block_runs", spy_block_runs)
     monkeypatch.setattr(worker_mod, "read_layer_into", spy_read)
     prompt = random_prompt(1000, seed=2)  # one checkpoint: 896 tokens = 7 blocks
     with engine(tiny_model, str(tmp_path / "kv")) as llm:
@@ -69,7 +69,8 @@ def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_pat
         assert cached == 896 and first == again
         layer0 = [data for layer, data in loaded if layer == 0]
         assert len(layer0) == 1
-        mover, _, ids = next(t for t in targets if t[1] == 0)
+        assert len(targets) == 1  # one file restored
+        mover, ids = targets[0]
         assert len(ids) == 7
         out = [np.empty(len(ids) * mover.page_bytes, dtype=np.uint8)
                for _ in range(mover.layout.num_layers)]

@@ -154,14 +154,15 @@ def test_pages_cached_probe(side, monkeypatch):
         os.close(fd)
 
 
-def test_host_runs_merge_consecutive_blocks(side):
+def test_block_runs_merge_consecutive_blocks(side):
     w, layers, _ = side
-    runs = w.mover.host_runs(0, [5, 6, 7, 2, 9, 10])
+    assert w.mover.block_runs([5, 6, 7, 2, 9, 10]) == [(5, 3), (2, 1), (9, 2)]
+    runs = w.mover.host_views(0, w.mover.block_runs([5, 6, 7, 2, 9, 10]))
     page = w.mover.page_bytes
     assert [v.nbytes for v in runs] == [3 * page, page, 2 * page]
     assert bytes(runs[1]) == layers[0][2].numpy().tobytes()
     with pytest.raises(ValueError):
-        w.mover.host_runs(0, [BLOCKS])
+        w.mover.block_runs([BLOCKS])
 
 
 @pytest.mark.parametrize("us,expected", [(700, 0.0007), (0, 0.005), (9000, 0.005)])

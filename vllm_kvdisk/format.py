@@ -7,7 +7,8 @@ Invariants:
   (corrupt, truncated, hostile) / :class:`UnsupportedFile` (a version or feature this
   build does not read). Callers turn both into a cache miss; nothing else escapes.
 * Page data are opaque: whole blocks, layer by layer, each layer guarded by its own
-  xxh3-64 so a restore can verify and scatter one layer while the next is read.
+  xxh3-64, so a restore can read and verify one layer at a time (into staging or
+  straight into its destination blocks).
 * No pickle, no eval: only ``struct`` and raw bytes.
 
 Pure: standard library, numpy-free, xxhash for checksums.
@@ -474,7 +475,14 @@ def read_layers_into(fd: int, meta: Meta, first: int,
     for the GIL. Then one hash pass per layer. On a checksum mismatch the buffers hold
     unverified bytes: the caller must treat them as garbage.
     """
-    layers = _layer_views(meta, first, outs)
+    want = meta.offsets.layer_bytes
+    layers = [[out] if isinstance(out, memoryview) else list(out) for out in outs]
+    for i, views in enumerate(layers):
+        have = sum(v.nbytes for v in views)
+        if have != want:
+            raise ValueError(f"buffers of {have} bytes for layer {first + i} of {want}")
+    if first < 0 or first + len(layers) > meta.payload.layout.num_layers:
+        raise ValueError(f"layers {first}..{first + len(layers) - 1} outside the file")
     at = meta.offsets.layer(first)
     pending = [v for views in layers for v in views if v.nbytes]
     head = 0  # pending[head:] is still to read
@@ -488,27 +496,7 @@ def read_layers_into(fd: int, meta: Meta, first: int,
             head += 1
         if got:
             pending[head] = pending[head][got:]
-    verify_layers(meta, first, outs)
-
-
-def _layer_views(meta: Meta, first: int,
-                 outs: Sequence[memoryview | Sequence[memoryview]]) -> list[list[memoryview]]:
-    want = meta.offsets.layer_bytes
-    layers = []
-    for i, out in enumerate(outs):
-        views = [out] if isinstance(out, memoryview) else list(out)
-        have = sum(v.nbytes for v in views)
-        if have != want:
-            raise ValueError(f"buffers of {have} bytes for layer {first + i} of {want}")
-        layers.append(views)
-    if first < 0 or first + len(layers) > meta.payload.layout.num_layers:
-        raise ValueError(f"layers {first}..{first + len(layers) - 1} outside the file")
-    return layers
-
-
-def verify_layers(meta: Meta, first: int, outs: Sequence[memoryview | Sequence[memoryview]]) -> None:
-    """Check the checksums of layers ``first, ...`` read into ``outs``; FormatError if not."""
-    for i, views in enumerate(_layer_views(meta, first, outs)):
+    for i, views in enumerate(layers):
         hasher = xxhash.xxh3_64()
         for view in views:
             hasher.update(view)

@@ -83,10 +83,15 @@ class PageMover:
         self._pin = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._pin else None
 
-    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
-        ids = torch.as_tensor(list(block_ids), dtype=torch.long)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+    def _ids(self, block_ids: Sequence[int]) -> np.ndarray:
+        """Block ids as int64, every one checked to name a block of this cache."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
             raise ValueError(f"block id outside 0..{self.num_blocks - 1}")
+        return ids
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        ids = torch.from_numpy(self._ids(block_ids))
         return ids.to(self.device, non_blocking=True) if self._pin else ids
 
     def gather(self, block_ids: Sequence[int], out: Sequence[np.ndarray]) -> None:
@@ -94,9 +99,7 @@ class PageMover:
         len(block_ids) x page_bytes per layer, e.g. from a StagingPool)."""
         n = len(block_ids)
         if self._host is not None:
-            ids = np.asarray(block_ids, dtype=np.int64)
-            if n and (ids.min() < 0 or ids.max() >= self.num_blocks):
-                raise ValueError(f"block id outside 0..{self.num_blocks - 1}")
+            ids = self._ids(block_ids)
             for src, dst in zip(self._host, out):
                 # mode="clip": ids are checked above, and "raise" buffers the output
                 # (measured: half the speed of a plain copy instead of 0.8).
@@ -116,35 +119,30 @@ class PageMover:
     @property
     def host_resident(self) -> bool:
         """True when the cache lives in host memory (CPU backend): files can be read
-        straight into the blocks with ``host_runs`` and no staging copy."""
+        straight into the blocks (``block_runs`` + ``host_views``), no staging copy."""
         return self._host is not None
 
-    def host_runs(self, layer: int, block_ids: Sequence[int]) -> list[memoryview]:
-        """Byte views of the pages of ``block_ids`` in one layer, in the given order,
-        consecutive ids merged into one view (fewer, larger reads)."""
+    def block_runs(self, block_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """``block_ids`` as runs of consecutive ids ``(first, count)``, in the given order
+        (the same for every layer: compute once per file)."""
+        ids = self._ids(block_ids)
+        breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+        starts = [0, *breaks.tolist()]
+        ends = [*breaks.tolist(), int(ids.size)]
+        return [(int(ids[a]), b - a) for a, b in zip(starts, ends) if b > a]
+
+    def host_views(self, layer: int, runs: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """Byte views of one layer's pages for ``runs`` (from ``block_runs``)."""
         if self._host is None:
             raise RuntimeError("the KV cache is not host-resident")
-        ids = np.asarray(block_ids, dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
-            raise ValueError(f"block id outside 0..{self.num_blocks - 1}")
         pages = self._host[layer]
-        views: list[memoryview] = []
-        start = 0
-        for i in range(1, ids.size + 1):
-            if i == ids.size or ids[i] != ids[i - 1] + 1:
-                first, last = int(ids[start]), int(ids[i - 1])
-                views.append(memoryview(pages[first:last + 1].reshape(-1)))
-                start = i
-        return views
+        return [memoryview(pages[first:first + count].reshape(-1)) for first, count in runs]
 
     def scatter(self, layer: int, block_ids: Sequence[int], pages: np.ndarray) -> None:
         """Write host ``pages`` (n x page_bytes bytes) into blocks ``block_ids`` of one layer."""
         n = len(block_ids)
         if self._host is not None:
-            ids = np.asarray(block_ids, dtype=np.int64)
-            if n and (ids.min() < 0 or ids.max() >= self.num_blocks):
-                raise ValueError(f"block id outside 0..{self.num_blocks - 1}")
-            self._host[layer][ids] = pages.reshape(n, self.page_bytes)
+            self._host[layer][self._ids(block_ids)] = pages.reshape(n, self.page_bytes)
             return
         idx = self._index(block_ids)
         target = self._layers[layer]

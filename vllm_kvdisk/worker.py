@@ -71,7 +71,7 @@ class WorkerSide:
         layers = [t for _, t in unique_layers(kv_caches)]
         self.mover = PageMover(layers, self.block_size, self.base_fp.layout.split("/")[0])
         if self.mover.device.type == "cuda":
-            self.staging = StagingPool(self.staging.max_bytes, allocate=pinned_buffer)
+            self.staging.allocate = pinned_buffer  # device copies want page-locked memory
         self.store.scan()
         self._shorten_gil_switch()
         log.info("kvdisk worker: %d layers, page %d bytes, %d checkpoint(s) on disk",
@@ -196,12 +196,13 @@ class WorkerSide:
         into them afterwards."""
         mover = self.mover
         scratch_bytes = skip * mover.page_bytes
+        runs = mover.block_runs(targets)
 
         def one(layer: int) -> None:
             scratch = self.staging.get(scratch_bytes) if skip else None
             try:
                 views = [memoryview(scratch)] if scratch is not None else []
-                read_layer_into(fd, meta, layer, views + mover.host_runs(layer, targets))
+                read_layer_into(fd, meta, layer, views + mover.host_views(layer, runs))
             finally:
                 if scratch is not None:
                     self.staging.put(scratch)
