@@ -53,6 +53,8 @@ import time
 import numpy as np
 import requests
 
+from common import kv_bytes_per_token, model_shape
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 ALL_CONFIGS = ["none", "prefix", "kvdisk", "example", "native"]
@@ -440,13 +442,12 @@ def token_sources(before: dict, after: dict) -> dict:
     return out
 
 
-def storage_limit(cache_dir: str, phases: dict, work: str, threads: int = 4) -> dict:
+def storage_limit(cache_dir: str, phases: dict, threads: int = 4) -> dict:
     """The machine's own bandwidth on this run's checkpoint files against what the
     server's restore and save paths achieved on them (its load/save time histograms).
     Read limits: warm = page cache, every file read by `threads` threads; cold = each file
     dropped from the page cache, one sequential preadv per file. Write limit: the same
     file sizes written with writev + fsync into new files on the same file system."""
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     from io_bench import CHUNK, drop_cache, raw_read, raw_write
 
     paths = [os.path.join(d, f) for d, _, fs in os.walk(cache_dir) for f in fs
@@ -562,7 +563,7 @@ def run_config(name: str, model: str, wl: Workload, work: str, env: dict, args) 
     info["wall_s"] = round(time.perf_counter() - t_cfg, 1)
     info["disk"] = disk_usage(cache_dir)
     if name == "kvdisk" and info["status"] == "ok" and cache_dir:
-        info["storage_limit"] = storage_limit(cache_dir, info["phases"], work)
+        info["storage_limit"] = storage_limit(cache_dir, info["phases"])
     if trace and os.path.exists(trace):
         lines = pathlib.Path(trace).read_text(errors="replace").splitlines()
         words = {"hit": "KV cache: hit for", "restored": "(loaded ",
@@ -916,12 +917,11 @@ def main() -> None:
 
     from vllm_kvdisk.tinymodel import build_tiny_model
 
-    shape = {"hidden": args.hidden, "layers": args.layers, "heads": args.hidden // 64,
-             "kv_heads": max(1, args.hidden // 256)}
+    shape = model_shape(args.hidden, args.layers)
     model_dir = os.path.join(tempfile.gettempdir(),
                              f"kvdisk-agent-replay-model-{args.hidden}x{args.layers}")
     model = str(build_tiny_model(model_dir, shape=shape))
-    kv_per_token = 2 * shape["layers"] * shape["kv_heads"] * 64 * 4
+    kv_per_token = kv_bytes_per_token(shape)
     tok = AutoTokenizer.from_pretrained(model)
     wl = Workload(tok, args)
     shared = wl.tokens(tok.apply_chat_template([{"role": "system", "content": wl.system}],

@@ -15,7 +15,6 @@ Absolute times on a 2-core CPU mean little; the ratios are the result.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import shutil
 import statistics
@@ -24,25 +23,7 @@ import time
 
 import numpy as np
 
-
-def make_llm(model: str, kv_dir: str | None, **extra):
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    kwargs = {}
-    if kv_dir:
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="kvdisk", kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"kv_disk_dir": kv_dir, "kv_cache_min_tokens": 128,
-                                       "kv_cache_boundary_align_tokens": 256, **extra})
-    return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=16384,
-               enable_prefix_caching=True, **kwargs)
-
-
-def close(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+from common import close, kv_bytes_per_token, make_llm, model_shape
 
 
 def timed_generate(llm, prompts, max_tokens) -> float:
@@ -73,11 +54,10 @@ def main() -> None:
     from vllm_kvdisk.tinymodel import build_tiny_model
 
     work = tempfile.mkdtemp(prefix="kvdisk-engine-bench-")
-    shape = {"hidden": args.hidden, "layers": args.layers, "heads": args.hidden // 64,
-             "kv_heads": max(1, args.hidden // 256)}
+    shape = model_shape(args.hidden, args.layers)
     model = str(build_tiny_model(os.path.join(work, "model"), shape=shape))
     kv = os.path.join(work, "kv")
-    kv_per_token = 2 * shape["layers"] * shape["kv_heads"] * 64 * 4
+    kv_per_token = kv_bytes_per_token(shape)
     rng = np.random.default_rng(0)
 
     def batch(n, length):

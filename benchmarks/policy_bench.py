@@ -21,7 +21,6 @@ same tokens. The first restore of `auto` always loads: that is what measures the
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import pathlib
 import shutil
@@ -31,6 +30,8 @@ import threading
 import time
 
 import numpy as np
+
+from common import close, kv_bytes_per_token, make_llm, model_shape
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -70,25 +71,6 @@ def throttle_reads(bucket: TokenBucket | None) -> None:
     worker_mod.read_layer_into = slow_layer
 
 
-def make_llm(model: str, kv_dir: str, trace: str, policy: str):
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    cfg = KVTransferConfig(
-        kv_connector="kvdisk", kv_role="kv_both", kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"kv_disk_dir": kv_dir, "kv_cache_min_tokens": 128,
-                                   "kv_cache_boundary_align_tokens": 256, "trace": trace,
-                                   "kv_disk_load_policy": policy})
-    return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=16384,
-               enable_prefix_caching=True, kv_transfer_config=cfg)
-
-
-def close(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-
-
 def first_token(llm, prompt: list[int]) -> tuple[float, int, int]:
     """(seconds to the first token, the token, prompt tokens served from a cache)."""
     from vllm import SamplingParams
@@ -122,15 +104,15 @@ def main() -> None:
     from vllm_kvdisk.tinymodel import build_tiny_model
 
     work = tempfile.mkdtemp(prefix="kvdisk-policy-bench-")
-    shape = {"hidden": args.hidden, "layers": args.layers, "heads": args.hidden // 64,
-             "kv_heads": max(1, args.hidden // 256)}
-    kv_per_token = 2 * shape["layers"] * shape["kv_heads"] * 64 * 4
+    shape = model_shape(args.hidden, args.layers)
+    kv_per_token = kv_bytes_per_token(shape)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, 4000, args.prompt_tokens).tolist() for _ in range(args.requests)]
     try:
         model = str(build_tiny_model(os.path.join(work, "model"), shape=shape))
         kv = os.path.join(work, "kv")
-        writer = make_llm(model, kv, os.path.join(work, "writer.trace"), "always")
+        writer = make_llm(model, kv, trace=os.path.join(work, "writer.trace"),
+                          kv_disk_load_policy="always")
         cold = [first_token(writer, p)[0] for p in prompts]
         close(writer)
         disk_mb = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(kv)
@@ -144,7 +126,7 @@ def main() -> None:
             for policy in ("always", "auto", "auto", "always"):  # ABBA: drift hits both alike
                 throttle_reads(bucket)
                 trace = os.path.join(work, f"{store.split()[0]}-{policy}-{len(rows)}.trace")
-                llm = make_llm(model, kv, trace, policy)
+                llm = make_llm(model, kv, trace=trace, kv_disk_load_policy=policy)
                 first_token(llm, rng.integers(10, 4000, 2048).tolist())  # other traffic
                 ttfts, tokens, cached = [], [], []
                 for p in prompts:
