@@ -21,21 +21,31 @@ def byte_table() -> TokenTable:
     return TokenTable([bytes([i]) for i in range(256)] + extra)
 
 
+def prompt_of(ids) -> Prompt:
+    return Prompt(byte_table(), ids)
+
+
+def planner(store: Store) -> Planner:
+    return Planner(store.index, BLOCK, store.read_ids, 1)
+
+
 def pages(rng: np.random.Generator, plan: SavePlan, layout: PageLayout = LAYOUT) -> list[bytes]:
     nb = (plan.tokens - plan.parent_tokens) // layout.block_size
     return [rng.random((nb, *layout.page_shape), dtype=np.float32).tobytes()
             for _ in range(layout.num_layers)]
 
 
+def encode(plan: SavePlan, prompt: Prompt, layers, now: int = 1_000_000, tool_map=()):
+    return encode_plan(plan, text=prompt.text_upto(plan.tokens), ids=prompt.ids, layers=layers,
+                       layout=LAYOUT, fingerprint=FP.digest(), kv_dtype="float32",
+                       context_size=8192, now=now, tool_map=tool_map)
+
+
 def save(store: Store, ns: str, prompt: Prompt, length: int, rng: np.random.Generator,
          reason: Reason = Reason.COLD, now: int = 1_000_000, tool_map=()) -> tuple[SavePlan, list[bytes]]:
-    planner = Planner(store.index, GRID, 1)
-    plan = planner.plan_save(ns, prompt, length, reason)
+    plan = planner(store).plan_save(ns, prompt, length, reason)
     if plan is None:
         raise ValueError(f"nothing to save at {length}")
     layers = pages(rng, plan)
-    enc = encode_plan(plan, text=prompt.text_upto(length), ids=prompt.ids, layers=layers,
-                      layout=LAYOUT, fingerprint=FP.digest(), kv_dtype="float32",
-                      context_size=8192, now=now, tool_map=tool_map)
-    store.write(ns, plan.sha1, enc)
+    store.write(ns, plan.sha1, encode(plan, prompt, layers, now, tool_map))
     return plan, layers

@@ -194,3 +194,47 @@ def test_truncation_and_bit_flips_never_crash_or_return_wrong_pages(tmp_path, da
     os.close(meta_fd)
     padding = range(offsets.tokens + 4 * 8, offsets.pages)  # zero padding, not checksummed
     assert all(i == 5 or 12 <= i < 40 or 52 <= i < text_end or i in padding for i in changed), changed
+
+
+def test_summary_reads_the_walk_key_in_at_most_two_reads(tmp_path, monkeypatch):
+    """A start-up scan indexes a file from its first page, plus one read of the payload
+    header, checksum table and token ids when the text is longer than a page."""
+    from vllm_kvdisk import format as fmt
+    from vllm_kvdisk.index import head_digest
+
+    layout = PageLayout("cpu:LBHNC", 4, 2, (1, 4, 2), "float32")
+    ids = np.arange(4000, 4012, dtype="<u4")
+    layers = [np.zeros((2, 1, 4, 2), "<f4").tobytes() for _ in range(2)]
+    for text in (b"short", b"x" * 10000):
+        payload = Payload(bytes(32), "ab" * 20, 4, 1, 2, layout, 7)
+        enc = encode_checkpoint(text=text, tokens=ids.tobytes(), layers=layers, payload=payload,
+                                reason=Reason.EVICT, kv_dtype="float32", context_size=1, now=0)
+        raw = b"".join(bytes(b) for b in enc.buffers)
+        fd = write(tmp_path, raw)
+        calls = []
+        real = os.pread
+        monkeypatch.setattr(fmt.os, "pread", lambda *a: calls.append(a) or real(*a))
+        sm = fmt.read_summary(fd, len(raw))
+        monkeypatch.setattr(fmt.os, "pread", real)
+        assert len(calls) == (1 if len(text) < 100 else 2)
+        assert sm.head == head_digest(ids, 4, 4) == enc.head
+        assert sm == fmt.summary_of(enc)
+        assert raw[sm.ids_at:sm.ids_at + 48] == ids.tobytes()
+        os.close(fd)
+
+
+def test_a_huge_or_sparse_tool_map_is_rejected_before_it_is_read(tmp_path):
+    from vllm_kvdisk.format import MAX_KTM_BYTES
+
+    raw = golden_checkpoint(True)
+    path = tmp_path / "sparse.kv"
+    path.write_bytes(raw)
+    with open(path, "r+b") as fh:
+        fh.truncate(len(raw) + (64 << 30))  # a 64 GiB hole where the tool map would be
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(FormatError, match="tool map of"):
+            read_meta(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    assert MAX_KTM_BYTES < 1 << 30

@@ -1,102 +1,181 @@
-"""Index scenarios: chains, lookups with reasons, leaf-only eviction."""
+"""Index scenarios: chains, lookups at any block boundary, partial files, leaf-only eviction."""
 
 import numpy as np
 
-from synth import GRID, byte_table
 from vllm_kvdisk.format import Reason
-from vllm_kvdisk.index import HALF_LIFE_S, Entry, Index, Miss, score
-from vllm_kvdisk.planner import Planner, Prompt
+from vllm_kvdisk.index import HALF_LIFE_S, Entry, Index, Miss, head_digest, score
+from vllm_kvdisk.keys import token_digest
+
+BS = 16
 
 
-def entry(sha1, tokens, parent=None, parent_tokens=0, size=1000, hits=0, last_used=0, ns="n"):
-    return Entry(ns, sha1, tokens, parent, parent_tokens, Reason.COLD, hits, 0, last_used, size, 0)
+def ids_of(seed: int, n: int = 400) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 30000, n).astype("<u4")
 
 
-def test_chain_root_to_leaf_and_broken_links():
-    idx = Index()
-    idx.add(entry("a", 48))
-    idx.add(entry("b", 112, "a", 48))
-    idx.add(entry("c", 176, "b", 112))
-    assert [e.sha1 for e in idx.chain("n", "c")] == ["a", "b", "c"]
-    idx.add(entry("d", 240, "x", 176))  # parent never written
-    assert idx.chain("n", "d") is None
-    idx.add(entry("e", 240, "b", 176))  # parent ends at 112, not 176
-    assert idx.chain("n", "e") is None
-    assert idx.total_bytes == 5000
+class Disk:
+    """An index of files built from id arrays, with a reader of their stored ids."""
+
+    def __init__(self):
+        self.index = Index()
+        self.stored: dict[str, np.ndarray] = {}
+        self.reads = 0
+
+    def add(self, name: str, ids: np.ndarray, end: int, parent: str | None = None,
+            start: int = 0, ns: str = "n", size: int = 1000) -> Entry:
+        e = Entry(ns, name, end, parent, start, Reason.COLD, 0, 0, 0, size,
+                  token_digest(ids[:end]), head_digest(ids, start, BS))
+        self.stored[name] = ids[:end].copy()
+        self.index.add(e)
+        return e
+
+    def read(self, entry: Entry, start: int, stop: int):
+        self.reads += 1
+        return self.stored[entry.sha1][start:stop]
+
+    def lookup(self, ids, limit=None, ns="n", include_pending=False):
+        return self.index.lookup(ns, ids, len(ids) if limit is None else limit, BS, self.read,
+                                 include_pending=include_pending)
 
 
-def test_lookup_deepest_hit_and_the_reason_for_the_next_position():
-    table = byte_table()
-    idx = Index()
-    planner = Planner(idx, GRID, min_tokens=1)
-    rng = np.random.default_rng(3)
-    prompt = Prompt(table, GRID, rng.integers(0, 256, 300))
-    for length, ptoks in ((48, 0), (112, 0)):
-        key = prompt.key_at(length)
-        p_sha = prompt.key_at(ptoks).sha1 if ptoks else None
-        idx.add(Entry("n", key.sha1, length, p_sha, ptoks, Reason.COLD, 0, 0, 0, 1, prompt.digest(length)))
-    got = planner.lookup("n", prompt, 299)
-    assert got.tokens == 112 and got.miss is Miss.NO_CHECKPOINT and got.miss_key.tokens == 240
+def spans(lookup):
+    return [(s.entry.sha1, s.entry.parent_tokens, s.upto) for s in lookup.segments]
 
 
-def test_tokens_differ_reason_with_identical_text_at_the_grid_position():
-    # Two ids with the same bytes: same text at every position, different token ids.
-    from vllm_kvdisk.keys import TokenTable
-    table = TokenTable([bytes([i]) for i in range(256)] + [b"x"])  # id 256 renders like 120
-    idx = Index()
-    a = Prompt(table, GRID, [120] * 100)
-    b = Prompt(table, GRID, [256] + [120] * 99)
-    assert a.text == b.text
-    idx.add(Entry("n", a.key_at(48).sha1, 48, None, 0, Reason.COLD, 0, 0, 0, 1, a.digest(48)))
-    res = Planner(idx, GRID).lookup("n", b, 99)
-    assert res.chain == [] and res.miss is Miss.TOKENS_DIFFER and res.miss_key.tokens == 48
-    assert Planner(idx, GRID).lookup("n", a, 99).tokens == 48
+def test_whole_files_are_found_at_any_block_boundary_without_reading_them():
+    d = Disk()
+    a = ids_of(1)
+    d.add("root", a, 48)
+    d.add("mid", a, 112, "root", 48)
+    d.add("tail", a, 272, "mid", 112)  # not a grid position: any block boundary counts
+    got = d.lookup(a, 399)
+    assert spans(got) == [("root", 0, 48), ("mid", 48, 112), ("tail", 112, 272)]
+    assert got.tokens == 272 and d.reads == 0  # whole files: by token digest, no I/O
+    assert got.miss is Miss.NO_CHECKPOINT
 
 
-def test_other_namespace_and_below_min_tokens():
-    table = byte_table()
-    idx = Index()
-    p = Prompt(table, GRID, list(range(100)))
-    idx.add(Entry("other", p.key_at(48).sha1, 48, None, 0, Reason.COLD, 0, 0, 0, 1, p.digest(48)))
-    res = Planner(idx, GRID).lookup("n", p, 99)
-    assert res.miss is Miss.OTHER_NAMESPACE and res.other_namespaces == ("other",)
-    assert Planner(idx, GRID, min_tokens=512).lookup("n", p, 99).miss is Miss.BELOW_MIN_TOKENS
+def test_the_limit_cuts_a_file_partway_at_its_last_usable_block():
+    d = Disk()
+    a = ids_of(2)
+    d.add("root", a, 48)
+    d.add("long", a, 320, "root", 48)
+    got = d.lookup(a, 200)  # vLLM always computes the last prompt token itself
+    assert spans(got) == [("root", 0, 48), ("long", 48, 192)]
+    assert not got.segments[-1].whole
 
 
-def test_plan_save_is_a_delta_on_the_deepest_known_prefix_and_skips_duplicates():
-    table = byte_table()
-    idx = Index()
-    planner = Planner(idx, GRID)
-    p = Prompt(table, GRID, list(range(250)))
-    first = planner.plan_save("n", p, 112, Reason.COLD)
-    assert first.parent is None and first.parent_tokens == 0
-    assert planner.reserve(first, p.digest(112), 0)
-    assert planner.plan_save("n", p, 112, Reason.EVICT) is None  # in flight: duplicate
-    second = planner.plan_save("n", p, 240, Reason.EVICT)
-    assert (second.parent, second.parent_tokens) == (first.sha1, 112)  # pending parent counts
-    idx.release("n", first.sha1)
-    assert planner.plan_save("n", p, 240, Reason.EVICT).parent is None
+def test_a_sibling_session_gets_the_blocks_it_shares_inside_a_file():
+    d = Disk()
+    a = ids_of(3)
+    d.add("a", a, 320)  # session A: one root file
+    b = a.copy()
+    b[150:] = ids_of(4)[150:]  # session B diverges at token 150, inside A's file
+    got = d.lookup(b)
+    assert spans(got) == [("a", 0, 144)]  # up to the last whole block before the divergence
+    assert got.miss is Miss.PREFIX_MISMATCH and got.diverged[0].sha1 == "a"
+    # B's own checkpoint branches off inside A's file: a chain through A's first 144 tokens.
+    d.add("b", b, 304, "a", 144)
+    got = d.lookup(b)
+    assert spans(got) == [("a", 0, 144), ("b", 144, 304)]
+    assert d.index.chain("n", "b") == [d.index.get("n", "a"), d.index.get("n", "b")]
+    assert [(s.entry.sha1, s.upto) for s in Index.segments_of(d.index.chain("n", "b"))] == [
+        ("a", 144), ("b", 304)]
+    # ...and A still finds all of its own file.
+    assert spans(d.lookup(a)) == [("a", 0, 320)]
+
+
+def test_divergence_in_the_first_block_is_no_hit_and_a_mismatch():
+    d = Disk()
+    a = ids_of(5)
+    d.add("a", a, 64)
+    b = a.copy()
+    b[3] += 1
+    got = d.lookup(b)
+    assert got.segments == [] and got.miss is Miss.NO_CHECKPOINT
+
+
+def test_same_first_block_two_files_the_deeper_path_wins():
+    d = Disk()
+    a = ids_of(6)
+    d.add("short", a, 64)
+    d.add("long", a, 256)  # another replica saved a longer root meanwhile
+    d.add("kid", a, 128, "short", 64)
+    got = d.lookup(a)
+    assert got.tokens == 256 and spans(got) == [("long", 0, 256)]
+    assert d.lookup(a, 140).tokens == 128 and len(d.lookup(a, 140).segments) == 1  # fewer files on ties
+
+
+def test_other_namespace_and_pending_saves():
+    d = Disk()
+    a = ids_of(7)
+    d.add("x", a, 64, ns="other")
+    got = d.lookup(a)
+    assert got.miss is Miss.OTHER_NAMESPACE and got.other_namespaces == ("other",)
+    e = Entry("n", "p", 96, None, 0, Reason.COLD, 0, 0, 0, 0, token_digest(a[:96]),
+              head_digest(a, 0, BS), ids=a[:96])
+    assert d.index.reserve(e) and not d.index.reserve(e)
+    assert d.lookup(a).tokens == 0  # pending: never a lookup hit
+    assert d.lookup(a, include_pending=True).tokens == 96  # but a parent for save planning
+    b = a.copy()
+    b[40] += 1
+    assert d.lookup(b, include_pending=True).tokens == 32  # partly, from its ids in memory
+    d.index.release("n", "p")
+    assert d.lookup(a, include_pending=True).tokens == 0
+
+
+def test_replaced_entry_and_removal_keep_the_tables_consistent():
+    d = Disk()
+    a = ids_of(8)
+    d.add("r", a, 64)
+    d.add("c", a, 128, "r", 64)
+    d.index.remove("n", "r")
+    assert d.lookup(a).tokens == 0  # a child whose parent is gone is unreachable
+    assert d.index.chain("n", "c") is None
+    d.add("r", a, 64)
+    assert d.lookup(a).tokens == 128
+    assert d.index.total_bytes == 2000 and len(d.index) == 2
+    d.add("r", a, 64, size=500)  # the same key again replaces
+    assert d.index.total_bytes == 1500 and d.index.namespaces() == ["n"]
+
+
+def test_hostile_cycles_and_huge_fanout_stay_bounded():
+    d = Disk()
+    a = ids_of(9)
+    for i in range(2000):  # many files share the first block, none continues the prompt
+        b = a.copy()
+        b[20] = 40000 + i
+        d.add(f"f{i}", b, 64)
+    got = d.lookup(a)
+    assert got.tokens == 16 and d.reads <= 600  # walk steps are capped
+    e = Entry("n", "loop", 64, "loop", 32, Reason.COLD, 0, 0, 0, 1, 0, 0)
+    d.index.add(e)
+    assert d.index.chain("n", "loop") is None
 
 
 def test_eviction_takes_leaves_only_lowest_score_first_and_protects():
+    def entry(sha1, tokens, parent=None, parent_tokens=0, size=1000, hits=0, last_used=0):
+        return Entry("n", sha1, tokens, parent, parent_tokens, Reason.COLD, hits, 0, last_used,
+                     size, 0, 0)
+
     idx = Index()
     idx.add(entry("root", 48, size=100))
     idx.add(entry("mid", 112, "root", 48, size=100))
     idx.add(entry("leaf1", 176, "mid", 112, size=100, hits=5, last_used=100))
     idx.add(entry("leaf2", 176, "mid", 112, size=100, hits=0, last_used=50))
     idx.add(entry("lone", 48, size=400))  # low tokens per byte: the cheapest to lose
-    plan = idx.plan_eviction(150, now=100)
-    assert [e.sha1 for e in plan] == ["lone"]
+    assert [e.sha1 for e in idx.plan_eviction(150, now=100)] == ["lone"]
     plan = idx.plan_eviction(450, now=100, protected=[("n", "lone")])
     assert [e.sha1 for e in plan] == ["leaf2", "leaf1", "mid", "root"]
-    # The parent becomes a leaf only after all of its children are planned.
-    assert plan.index(next(e for e in plan if e.sha1 == "mid")) > 1
+    # A file about to land on top of leaf2 makes leaf2 (and its ancestors) no leaf.
+    new = entry("new", 240, "leaf2", 176)
+    plan = idx.plan_eviction(10_000, now=100, adding=[new])
+    assert {e.sha1 for e in plan} == {"lone", "leaf1"}
 
 
 def test_ties_go_to_older_last_use_and_hits_decay():
     idx = Index()
-    idx.add(entry("old", 48, last_used=10))
-    idx.add(entry("new", 48, last_used=20))
+    for name, used in (("old", 10), ("new", 20)):
+        idx.add(Entry("n", name, 48, None, 0, Reason.COLD, 0, 0, used, 1000, 0, 0))
     assert [e.sha1 for e in idx.plan_eviction(1, now=30)] == ["old"]
-    hot = entry("hot", 48, hits=8, last_used=0)
+    hot = Entry("n", "hot", 48, None, 0, Reason.COLD, 8, 0, 0, 1000, 0, 0)
     assert score(hot, HALF_LIFE_S) == (4 + 1) * 48 / 1000

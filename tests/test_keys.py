@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from synth import byte_table
-from vllm_kvdisk.keys import (Fingerprint, Grid, KeyCache, TokenTable, as_token_array, salt_digest,
+from vllm_kvdisk.keys import (Fingerprint, Grid, TokenTable, as_token_array, salt_digest,
                               token_digest)
 from vllm_kvdisk.planner import Prompt
 
@@ -40,34 +40,20 @@ def test_render_is_exact_bytes_including_broken_utf8():
     assert text[: ends[0]].decode("utf-8", errors="replace") == "\ufffd"
 
 
-def test_render_rejects_out_of_vocab():
-    with pytest.raises(ValueError, match="vocabulary"):
-        byte_table().render(np.array([999999]))
-
-
-def test_grid_keys_equal_sha1_of_text_with_and_without_the_key_cache():
+def test_ids_outside_the_vocabulary_render_as_a_replacement_character():
+    # Padded vocabularies sample ids the tokenizer has no text for: never an error.
     table = byte_table()
-    rng = np.random.default_rng(1)
-    ids = rng.integers(0, len(table), 500)
-    text, _ = table.render(ids)
+    text, ends = table.render(np.array([65, 999999, 66]))
+    assert text == b"A\xef\xbf\xbdB" and ends.tolist() == [1, 4, 5]
+    assert table.piece(999999) == table.UNKNOWN and len(table) == 262
+
+
+def test_grid_floor_matches_the_positions_and_block_floor():
     grid = Grid(64, 8, 16)
-    cache = KeyCache()
-    plain = Prompt(table, grid, ids)
-    assert [k.tokens for k in plain.keys] == [48, 112, 176, 240, 304, 368, 432, 496]
-    for k in plain.keys:
-        assert k.sha1 == hashlib.sha1(text[: k.text_end]).hexdigest()
-        assert k.text_end == len(b"".join(table.piece(int(t)) for t in ids[: k.tokens]))
-    first = Prompt(table, grid, ids[:300], cache=cache)  # fills the cache up to 240
-    assert len(cache) == 4
-    # A longer prompt with the same start reuses those states and hashes only its tail...
-    longer = Prompt(table, grid, ids, cache=cache)
-    assert longer.keys == plain.keys and first.keys == plain.keys[:4]
-    # ...and one that diverges early is not fooled by the cached states.
-    other = ids.copy()
-    other[100] = (other[100] + 1) % len(table)
-    diverged = Prompt(table, grid, other, cache=cache)
-    assert diverged.keys[0] == plain.keys[0] and diverged.keys[1] != plain.keys[1]
-    assert diverged.keys == Prompt(table, grid, other).keys
+    for limit in range(0, 500):
+        positions = grid.positions_upto(limit)
+        assert grid.floor(limit) == (positions[-1] if positions else 0)
+    assert grid.block_floor(47) == 32 and grid.block_floor(-5) == 0
 
 
 def test_token_lists_convert_and_reject_bad_ids():

@@ -40,6 +40,7 @@ MAX_PAGE_DIMS = 6
 MAX_KTM_ENTRIES = 1 << 20
 MAX_TOOL_ID_BYTES = 1024
 MAX_TOOL_TEXT_BYTES = 1 << 20
+MAX_KTM_BYTES = 64 << 20  # a whole tool map section, checked before it is read
 
 FLAG_TOOL_MAP = 1 << 0
 FLAG_DELTA = 1 << 1
@@ -315,6 +316,7 @@ class Encoded:
     header: Header
     payload: Payload
     offsets: Offsets
+    head: int  # xxh3-64 of the first owned block's token ids (the index's walk key)
 
 
 def encode_checkpoint(*, text: bytes, tokens: bytes, layers: Sequence[bytes | memoryview],
@@ -329,6 +331,8 @@ def encode_checkpoint(*, text: bytes, tokens: bytes, layers: Sequence[bytes | me
     if len(layers) != lay.num_layers:
         raise FormatError(f"{len(layers)} layer buffers for {lay.num_layers} layers")
     ktm = encode_tool_map(tool_map) if tool_map else b""
+    if len(ktm) > MAX_KTM_BYTES:
+        raise FormatError(f"tool map of {len(ktm)} bytes > {MAX_KTM_BYTES}")
     offsets = compute_offsets(len(text), n_tokens, lay, payload.num_blocks, lay.num_layers, len(ktm))
     for buf in layers:
         if memoryview(buf).nbytes != offsets.layer_bytes:
@@ -348,7 +352,9 @@ def encode_checkpoint(*, text: bytes, tokens: bytes, layers: Sequence[bytes | me
     buffers += list(layers)
     if ktm:
         buffers.append(ktm)
-    return Encoded(buffers, offsets.total, header, payload, offsets)
+    first = payload.parent_tokens
+    head = xxhash.xxh3_64_intdigest(tokens[4 * first:4 * (first + lay.block_size)])
+    return Encoded(buffers, offsets.total, header, payload, offsets, head)
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,44 +369,19 @@ class Meta:
 
 @dataclass(frozen=True, slots=True)
 class Summary:
-    """What an index needs from a file, read from its first page only (start-up scans)."""
+    """What an index needs from a file, read from its first bytes only (start-up scans)."""
 
     header: Header
     parent_sha1: str | None
     parent_tokens: int
     token_digest: int
+    head: int  # xxh3-64 of the u32 LE ids of the first owned block
+    ids_at: int  # file offset of the token ids
 
 
-_SUMMARY = struct.Struct("<4sHH32s20sI")  # magic .. parent tokens (prefix of PAYLOAD_FIXED)
+_SUMMARY = struct.Struct("<4sHH32s20sII")  # magic .. block size (prefix of PAYLOAD_FIXED)
+_LAYERS_AT = 4 + 2 + 2 + 32 + 20 + 4 + 4 + 4 + 4  # u32 layer count inside PAYLOAD_FIXED
 _DIGEST_AT = PAYLOAD_FIXED.size - 16
-
-
-def read_summary(fd: int, file_size: int) -> Summary:
-    """Header + parent + token digest, checked for consistency; the full parse and every
-    checksum happen when the file is loaded. Raises FormatError like ``read_meta``."""
-    first = os.pread(fd, PAGE_ALIGN, 0)
-    header = Header.unpack(first)
-    if len(first) < HEADER.size + TEXT_LEN.size:
-        raise FormatError("truncated before the text length")
-    (text_len,) = TEXT_LEN.unpack_from(first, HEADER.size)
-    payload_at = HEADER.size + TEXT_LEN.size + text_len
-    if payload_at + header.payload_bytes > file_size or text_len > MAX_TEXT_BYTES:
-        raise FormatError(f"file of {file_size} bytes is shorter than its sections")
-    if payload_at + PAYLOAD_FIXED.size <= len(first):
-        fixed = first[payload_at:payload_at + PAYLOAD_FIXED.size]
-    else:
-        fixed = _pread_exact(fd, PAYLOAD_FIXED.size, payload_at)
-    magic, version, fixed_len, _, parent, parent_tokens = _SUMMARY.unpack_from(fixed)
-    if magic != PAYLOAD_MAGIC:
-        raise FormatError(f"bad payload magic {magic!r}")
-    if version != PAYLOAD_VERSION or fixed_len != PAYLOAD_FIXED.size:
-        raise UnsupportedFile(f"payload version {version}/{fixed_len}")
-    has_parent = parent != bytes(20)
-    if has_parent != bool(header.flags & FLAG_DELTA) or parent_tokens >= header.tokens \
-            or has_parent != (parent_tokens > 0):
-        raise FormatError("parent fields inconsistent")
-    (digest,) = struct.unpack_from("<Q", fixed, _DIGEST_AT)
-    return Summary(header, parent.hex() if has_parent else None, parent_tokens, digest)
 
 
 def _pread_exact(fd: int, size: int, offset: int) -> bytes:
@@ -410,24 +391,84 @@ def _pread_exact(fd: int, size: int, offset: int) -> bytes:
     return data
 
 
-def read_meta(fd: int, file_size: int) -> Meta:
-    """Parse and cross-check header, payload header and section sizes; no payload I/O."""
+def _read_opening(fd: int, file_size: int) -> tuple[Header, int, bytes]:
+    """Header and text length from the first page, checked against the file size and the
+    limits; returns (header, text length, the bytes read)."""
     first = os.pread(fd, PAGE_ALIGN, 0)
     header = Header.unpack(first)
     if len(first) < HEADER.size + TEXT_LEN.size:
         raise FormatError("truncated before the text length")
     (text_len,) = TEXT_LEN.unpack_from(first, HEADER.size)
-    if text_len > MAX_TEXT_BYTES or HEADER.size + TEXT_LEN.size + text_len > file_size:
+    payload_at = HEADER.size + TEXT_LEN.size + text_len
+    if text_len > MAX_TEXT_BYTES or payload_at > file_size:
         raise FormatError(f"text length {text_len} exceeds the file or the limit")
+    if payload_at + header.payload_bytes > file_size:
+        raise FormatError(f"file of {file_size} bytes is shorter than its sections")
+    return header, text_len, first
+
+
+def _read_span(fd: int, first: bytes, offset: int, size: int) -> bytes:
+    """``size`` bytes at ``offset``, from the first page when they lie inside it."""
+    if offset + size <= len(first):
+        return first[offset:offset + size]
+    return _pread_exact(fd, size, offset)
+
+
+def read_summary(fd: int, file_size: int) -> Summary:
+    """Header, parent, token digest and the first owned block's ids, checked for
+    consistency, in one or two reads; the full parse and every checksum happen when the
+    file is loaded. Raises FormatError like ``read_meta``."""
+    header, text_len, buf = _read_opening(fd, file_size)
+    payload_at = HEADER.size + TEXT_LEN.size + text_len
+    # The payload header, the checksum table and the token ids follow each other: when
+    # the first page does not hold what is needed, one read of that span does.
+    span = min(header.payload_bytes,
+               PAYLOAD_FIXED.size + CHECKSUM.size * (MAX_LAYERS + 1) + 4 * header.tokens)
+    base = 0
+
+    def take(offset: int, size: int) -> bytes:
+        nonlocal buf, base
+        if offset - base + size > len(buf) and base == 0:
+            buf, base = _pread_exact(fd, span, payload_at), payload_at
+        if offset < base or offset - base + size > len(buf):
+            raise FormatError("token ids extend past the payload")
+        return buf[offset - base:offset - base + size]
+
+    fixed = take(payload_at, PAYLOAD_FIXED.size)
+    magic, version, fixed_len, _, parent, parent_tokens, block_size = _SUMMARY.unpack_from(fixed)
+    if magic != PAYLOAD_MAGIC:
+        raise FormatError(f"bad payload magic {magic!r}")
+    if version != PAYLOAD_VERSION or fixed_len != PAYLOAD_FIXED.size:
+        raise UnsupportedFile(f"payload version {version}/{fixed_len}")
+    (layers,) = struct.unpack_from("<I", fixed, _LAYERS_AT)
+    has_parent = parent != bytes(20)
+    if (has_parent != bool(header.flags & FLAG_DELTA) or parent_tokens >= header.tokens
+            or has_parent != (parent_tokens > 0) or not 1 <= layers <= MAX_LAYERS
+            or not 1 <= block_size <= header.tokens or parent_tokens % block_size
+            or header.tokens % block_size):
+        raise FormatError("parent, block or layer fields inconsistent")
+    ids_at = payload_at + PAYLOAD_FIXED.size + CHECKSUM.size * (layers + 1)
+    head = xxhash.xxh3_64_intdigest(take(ids_at + 4 * parent_tokens, 4 * block_size))
+    (digest,) = struct.unpack_from("<Q", fixed, _DIGEST_AT)
+    return Summary(header, parent.hex() if has_parent else None, parent_tokens, digest,
+                   head, ids_at)
+
+
+def summary_of(encoded: Encoded) -> Summary:
+    """The summary of a checkpoint just encoded (what a scan would read back)."""
+    p = encoded.payload
+    return Summary(encoded.header, p.parent_sha1, p.parent_tokens, p.token_digest,
+                   encoded.head, encoded.offsets.tokens)
+
+
+def read_meta(fd: int, file_size: int) -> Meta:
+    """Parse and cross-check header, payload header and section sizes; no payload I/O."""
+    header, text_len, first = _read_opening(fd, file_size)
     payload_at = HEADER.size + TEXT_LEN.size + text_len
     fixed_end = payload_at + PAYLOAD_FIXED.size
-    if fixed_end <= len(first):
-        fixed = first[payload_at:fixed_end]
-    else:
-        fixed = _pread_exact(fd, PAYLOAD_FIXED.size, payload_at)
-    payload = unpack_payload_fixed(fixed, header)
+    payload = unpack_payload_fixed(_read_span(fd, first, payload_at, PAYLOAD_FIXED.size), header)
     count = payload.layout.num_layers + 1
-    sums_raw = _pread_exact(fd, CHECKSUM.size * count, fixed_end)
+    sums_raw = _read_span(fd, first, fixed_end, CHECKSUM.size * count)
     payload = replace(payload, checksums=struct.unpack(f"<{count}Q", sums_raw))
     offsets = compute_offsets(text_len, header.tokens, payload.layout, payload.num_blocks,
                               payload.layout.num_layers, 0)
@@ -437,6 +478,8 @@ def read_meta(fd: int, file_size: int) -> Meta:
     ktm_len = file_size - offsets.ktm
     if bool(header.flags & FLAG_TOOL_MAP) != (ktm_len > 0) or ktm_len < 0:
         raise FormatError(f"file size {file_size} does not match its sections")
+    if ktm_len > MAX_KTM_BYTES:
+        raise FormatError(f"tool map of {ktm_len} bytes > {MAX_KTM_BYTES}")
     if ktm_len:
         offsets = compute_offsets(text_len, header.tokens, payload.layout, payload.num_blocks,
                                   payload.layout.num_layers, ktm_len)
@@ -445,6 +488,12 @@ def read_meta(fd: int, file_size: int) -> Meta:
 
 def read_text(fd: int, meta: Meta) -> bytes:
     return _pread_exact(fd, meta.text_len, meta.offsets.text)
+
+
+def read_token_range(fd: int, ids_at: int, start: int, stop: int) -> bytes:
+    """Stored token ids ``[start, stop)`` (u32 LE), unverified: callers compare them with
+    the ids they expect, which is a stronger check than the checksum."""
+    return _pread_exact(fd, 4 * (stop - start), ids_at + 4 * start)
 
 
 def read_tokens(fd: int, meta: Meta) -> bytes:

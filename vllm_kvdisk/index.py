@@ -1,14 +1,26 @@
 """In-memory index of the checkpoints on disk: entries, chains, lookups, eviction plans.
 
-Invariants:
-* An entry is in the index only once its file is complete (two-phase: ``reserve`` makes a
-  save visible to *parent selection and duplicate checks* only, never to lookups).
-* A file owns the blocks ``[parent_tokens, tokens)``; a chain is the path root -> entry.
-  A chain whose parent is missing or does not end where its child starts is broken and is
-  never returned as a hit.
-* Eviction removes leaves only, so a parent never goes before its children.
+A file owns the blocks ``[start, end)`` of one token sequence (``start`` = its parent's
+share, 0 for a root) and stores the token ids of the whole prefix ``[0, end)``. Its parent
+is the file whose chain covers ``[0, start)``; the parent may end *after* ``start`` (a
+branch inside the parent: two sessions that share a system prompt and diverge in the
+middle of a file share that file's blocks).
 
-Pure: no I/O. It returns decisions; ``store.Store`` executes them.
+Invariants:
+* An entry is in the index only once its file is complete. Saves in flight are
+  ``pending`` entries: visible to save planning (parents, duplicates), never to lookups.
+* A lookup walks from the roots along parent links: at position ``pos`` under node ``N``
+  the candidates are the children of ``N`` that start at ``pos`` and whose first block has
+  the prompt's ids (``head``, an xxh3-64 of that block). A candidate counts whole when the
+  xxh3-64 of the prompt's ids ``[0, end)`` equals the file's token digest, partly up to the
+  last block both agree on (read from the file's stored ids). Rendered text is never
+  needed to find a checkpoint; the worker compares every restored file's stored ids with
+  the prompt's before a page counts as loaded.
+* A chain whose parent is missing is unreachable (never a hit). Eviction removes leaves
+  only, so a parent never goes before its children.
+
+Pure: no I/O (the caller passes a function that reads a file's stored ids). It returns
+decisions; ``store.Store`` executes them.
 """
 
 from __future__ import annotations
@@ -18,31 +30,46 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Iterable, Sequence
 
+import numpy as np
+import xxhash
+
 from vllm_kvdisk.format import Reason
-from vllm_kvdisk.keys import PrefixKey
 
 HALF_LIFE_S = 6 * 3600
+MAX_WALK_STEPS = 512  # candidate checks per lookup: bounds what hostile trees can cost
 
 Key = tuple[str, str]  # (namespace, sha1)
+IdsReader = Callable[["Entry", int, int], "np.ndarray | None"]
 
 
 @dataclass(slots=True)
 class Entry:
     ns: str
     sha1: str
-    tokens: int
+    tokens: int  # end: the checkpoint covers token ids [0, tokens)
     parent: str | None
-    parent_tokens: int
+    parent_tokens: int  # start: the file owns blocks [parent_tokens, tokens)
     reason: Reason
     hits: int
     created: int
     last_used: int
     size: int
-    token_digest: int
+    token_digest: int  # xxh3-64 of the u32 LE ids [0, tokens)
+    head: int  # xxh3-64 of the u32 LE ids of the first owned block
+    ids_at: int = 0  # file offset of the stored token ids
+    inode: int = 0  # identity of the file on disk (a replaced file has a new inode)
+    pending: bool = False  # a save in flight: no file yet
+    ids: np.ndarray | None = field(default=None, repr=False)  # pending saves: their ids
 
     @property
     def key(self) -> Key:
         return (self.ns, self.sha1)
+
+
+def head_digest(ids: np.ndarray, start: int, block_size: int) -> int:
+    """The walk key of a file starting at ``start``: xxh3-64 of its first block's ids."""
+    block = np.ascontiguousarray(ids[start:start + block_size], dtype="<u4")
+    return xxhash.xxh3_64_intdigest(block.tobytes())
 
 
 class Miss(str, Enum):
@@ -52,28 +79,48 @@ class Miss(str, Enum):
     BELOW_MIN_TOKENS = "below min tokens"
     PREFIX_MISMATCH = "prefix mismatch"
     TOKENS_DIFFER = "text equal but tokens differ"
-    BROKEN_CHAIN = "broken chain"
     OTHER_NAMESPACE = "checkpoint of another model/layout/dtype/salt"
     CHEAPER_TO_RECOMPUTE = "cheaper to recompute"
+    SKIPPED = "loading skipped by the request"
 
     @property
     def label(self) -> str:
         return self.name.lower()
 
 
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """The part of one file a restore uses: its blocks [entry.parent_tokens, upto)."""
+
+    entry: Entry
+    upto: int
+
+    @property
+    def whole(self) -> bool:
+        return self.upto == self.entry.tokens
+
+
 @dataclass(slots=True)
 class Lookup:
     """The deepest usable chain for a prompt, or why there is none deeper."""
 
-    chain: list[Entry] = field(default_factory=list)
-    # Why the next deeper grid position did not hit, and the key it was checked under.
-    miss: Miss | None = None
-    miss_key: PrefixKey | None = None
+    segments: list[Segment] = field(default_factory=list)
+    miss: Miss | None = None  # why not deeper
+    # Files under the deepest node that the prompt leaves (diagnostics only).
+    diverged: list[Entry] = field(default_factory=list)
     other_namespaces: tuple[str, ...] = ()
 
     @property
     def tokens(self) -> int:
-        return self.chain[-1].tokens if self.chain else 0
+        return self.segments[-1].upto if self.segments else 0
+
+    @property
+    def chain(self) -> list[Entry]:
+        return [s.entry for s in self.segments]
+
+    def cut(self, count: int, miss: Miss) -> Lookup:
+        """The same lookup with only its first ``count`` segments."""
+        return Lookup(self.segments[:count], miss, self.diverged, self.other_namespaces)
 
 
 def score(entry: Entry, now: float) -> float:
@@ -83,17 +130,30 @@ def score(entry: Entry, now: float) -> float:
     return (decayed + 1.0) * entry.tokens / max(1, entry.size)
 
 
+def common_blocks(a: np.ndarray, b: np.ndarray, block_size: int) -> int:
+    """Tokens of the longest whole-block common prefix of two id arrays."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    same = int(differ[0]) if differ.size else n
+    return same - same % block_size
+
+
 class Index:
     def __init__(self) -> None:
         self._entries: dict[Key, Entry] = {}
-        self._children: dict[Key, set[str]] = {}
-        self._by_sha1: dict[str, set[str]] = {}  # sha1 -> namespaces holding it
+        self._by_ns: dict[str, dict[str, Entry]] = {}
         self._pending: dict[Key, Entry] = {}
+        # parent key -> sha1s of its children (files and pending saves)
+        self._children: dict[Key, set[str]] = {}
+        # (ns, parent sha1 or "", start) -> {head -> entries that continue there}
+        self._next: dict[tuple[str, str, int], dict[int, list[Entry]]] = {}
+        self._roots: dict[int, set[str]] = {}  # head of a root -> namespaces that hold one
         self.total_bytes = 0
 
     def clear(self) -> None:
         """Forget everything (the same object stays shared with planners)."""
-        for table in (self._entries, self._children, self._by_sha1, self._pending):
+        for table in (self._entries, self._by_ns, self._pending, self._children, self._next,
+                      self._roots):
             table.clear()
         self.total_bytes = 0
 
@@ -110,37 +170,71 @@ class Index:
     def entries(self) -> Iterable[Entry]:
         return self._entries.values()
 
+    def keys(self) -> Iterable[Key]:
+        return self._entries.keys()
+
+    def namespace_entries(self, ns: str) -> list[Entry]:
+        return list(self._by_ns.get(ns, {}).values())
+
+    def namespaces(self) -> list[str]:
+        """Namespaces that hold at least one indexed file."""
+        return list(self._by_ns)
+
+    def _link(self, entry: Entry) -> None:
+        self._children.setdefault((entry.ns, entry.parent or ""), set()).add(entry.sha1)
+        at = self._next.setdefault((entry.ns, entry.parent or "", entry.parent_tokens), {})
+        at.setdefault(entry.head, []).append(entry)
+        if entry.parent is None and not entry.pending:
+            self._roots.setdefault(entry.head, set()).add(entry.ns)
+
+    def _unlink(self, entry: Entry) -> None:
+        parent_key = (entry.ns, entry.parent or "")
+        kids = self._children.get(parent_key)
+        if kids is not None:
+            kids.discard(entry.sha1)
+            if not kids:
+                del self._children[parent_key]
+        at_key = (entry.ns, entry.parent or "", entry.parent_tokens)
+        at = self._next.get(at_key, {})
+        bucket = [e for e in at.get(entry.head, ()) if e is not entry]
+        if bucket:
+            at[entry.head] = bucket
+        else:
+            at.pop(entry.head, None)
+            if not at:
+                self._next.pop(at_key, None)
+        if entry.parent is None and not entry.pending and not any(not e.pending for e in bucket):
+            spaces = self._roots.get(entry.head)
+            if spaces is not None:
+                spaces.discard(entry.ns)
+                if not spaces:
+                    del self._roots[entry.head]
+
     def add(self, entry: Entry) -> None:
-        old = self._entries.get(entry.key)
-        if old is not None:
-            self.remove(old.ns, old.sha1)
+        """Index a complete file (replacing any entry or pending save of the same key)."""
+        entry.pending, entry.ids = False, None
+        self.remove(entry.ns, entry.sha1)
+        self.release(entry.ns, entry.sha1)
         self._entries[entry.key] = entry
+        self._by_ns.setdefault(entry.ns, {})[entry.sha1] = entry
         self.total_bytes += entry.size
-        self._by_sha1.setdefault(entry.sha1, set()).add(entry.ns)
-        if entry.parent:
-            self._children.setdefault((entry.ns, entry.parent), set()).add(entry.sha1)
-        self._pending.pop(entry.key, None)
+        self._link(entry)
 
     def remove(self, ns: str, sha1: str) -> Entry | None:
         entry = self._entries.pop((ns, sha1), None)
         if entry is None:
             return None
+        in_ns = self._by_ns[ns]
+        del in_ns[sha1]
+        if not in_ns:
+            del self._by_ns[ns]
         self.total_bytes -= entry.size
-        spaces = self._by_sha1.get(sha1)
-        if spaces is not None:
-            spaces.discard(ns)
-            if not spaces:
-                del self._by_sha1[sha1]
-        if entry.parent:
-            kids = self._children.get((ns, entry.parent))
-            if kids is not None:
-                kids.discard(sha1)
-                if not kids:
-                    del self._children[(ns, entry.parent)]
+        self._unlink(entry)
         return entry
 
-    def children(self, ns: str, sha1: str) -> list[Entry]:
-        names = self._children.get((ns, sha1), ())
+    def children(self, ns: str, sha1: str | None) -> list[Entry]:
+        """Files (not pending saves) whose parent is ``sha1`` (None: the roots)."""
+        names = self._children.get((ns, sha1 or ""), ())
         return [self._entries[(ns, s)] for s in names if (ns, s) in self._entries]
 
     # -- two-phase saves --------------------------------------------------------------
@@ -148,12 +242,16 @@ class Index:
         """Mark a save in flight. False if the key is already on disk or in flight."""
         if entry.key in self._entries or entry.key in self._pending:
             return False
+        entry.pending = True
         self._pending[entry.key] = entry
+        self._link(entry)
         return True
 
     def release(self, ns: str, sha1: str) -> None:
         """The save in flight failed or was abandoned."""
-        self._pending.pop((ns, sha1), None)
+        entry = self._pending.pop((ns, sha1), None)
+        if entry is not None:
+            self._unlink(entry)
 
     def has_pending(self) -> bool:
         return bool(self._pending)
@@ -161,64 +259,126 @@ class Index:
     def pending(self, ns: str, sha1: str) -> Entry | None:
         return self._pending.get((ns, sha1))
 
-    # -- chains and lookups -----------------------------------------------------------
-    def chain(self, ns: str, sha1: str, *, include_pending: bool = False) -> list[Entry] | None:
-        """Entries root -> sha1, or None if a link is missing or inconsistent."""
+    # -- chains -----------------------------------------------------------------------
+    def chain(self, ns: str, sha1: str) -> list[Entry] | None:
+        """Files root -> sha1, or None if a link is missing or inconsistent (the child must
+        start inside its parent: parent.start < child.start <= parent.end)."""
         out: list[Entry] = []
         key: str | None = sha1
-        expect_end: int | None = None
+        start: int | None = None
         while key is not None:
             entry = self._entries.get((ns, key))
-            if entry is None and include_pending:
-                entry = self._pending.get((ns, key))
-            if entry is None or (expect_end is not None and entry.tokens != expect_end):
+            if entry is None or len(out) > 1 << 16:  # a cycle can only come from hostile files
                 return None
-            if len(out) > 1 << 16:  # a cycle can only come from hostile files
+            if start is not None and not entry.parent_tokens < start <= entry.tokens:
                 return None
             out.append(entry)
-            expect_end = entry.parent_tokens
+            start = entry.parent_tokens
             key = entry.parent
         out.reverse()
         return out
 
-    def lookup(self, ns: str, keys: Sequence[PrefixKey], digest: Callable[[int], int],
-               *, include_pending: bool = False) -> Lookup:
-        """Deepest chain whose text key and token ids both equal a prefix of the prompt.
+    @staticmethod
+    def segments_of(chain: Sequence[Entry]) -> list[Segment]:
+        """The blocks each file of a chain contributes: up to where its child starts."""
+        ends = [e.parent_tokens for e in chain[1:]] + [chain[-1].tokens] if chain else []
+        return [Segment(e, upto) for e, upto in zip(chain, ends)]
 
-        ``keys`` are the prompt's grid prefixes (ascending); ``digest(L)`` gives the token
-        digest of the prompt's first L tokens (computed only when a key is found).
-        """
-        result = Lookup()
-        for key in reversed(keys):
-            entry = self._entries.get((ns, key.sha1))
-            if entry is None and include_pending:
-                entry = self._pending.get((ns, key.sha1))
-            if entry is None:
-                if result.miss is None:
-                    others = tuple(sorted(self._by_sha1.get(key.sha1, set()) - {ns}))
-                    result.miss = Miss.OTHER_NAMESPACE if others else Miss.NO_CHECKPOINT
-                    result.miss_key, result.other_namespaces = key, others
+    # -- lookups ----------------------------------------------------------------------
+    def lookup(self, ns: str, ids: np.ndarray, limit: int, block_size: int,
+               read_ids: IdsReader, *, include_pending: bool = False) -> Lookup:
+        """Deepest chain whose stored ids equal the prompt's ``ids[0:L]``, L <= ``limit``
+        a block boundary; whole files by token digest, a partly matching file up to its
+        last matching block."""
+        ids = np.ascontiguousarray(ids, dtype="<u4")
+        raw = memoryview(ids).cast("B")
+        limit = min(limit, len(ids))
+        limit -= limit % block_size
+        best: tuple[int, int, list[Segment]] = (0, 0, [])  # (tokens, -files, segments)
+        steps = 0
+        # Depth-first over candidates: (node sha1 or "", pos, hasher over [0, pos), path)
+        stack: list[tuple[str, int, xxhash.xxh3_64, list[Segment]]] = [
+            ("", 0, xxhash.xxh3_64(), [])]
+        while stack:
+            node, pos, hasher, path = stack.pop()
+            if (pos, -len(path)) > best[:2]:
+                best = (pos, -len(path), path)
+            at = self._next.get((ns, node, pos))
+            if at is None or pos + block_size > limit:
                 continue
-            if entry.tokens != key.tokens or entry.token_digest != digest(key.tokens):
-                if result.miss is None or result.miss is Miss.NO_CHECKPOINT:
-                    result.miss, result.miss_key = Miss.TOKENS_DIFFER, key
-                continue
-            chain = self.chain(ns, key.sha1, include_pending=include_pending)
-            if chain is None:
-                if result.miss is None or result.miss is Miss.NO_CHECKPOINT:
-                    result.miss, result.miss_key = Miss.BROKEN_CHAIN, key
-                continue
-            result.chain = chain
-            return result
+            head = xxhash.xxh3_64_intdigest(raw[4 * pos:4 * (pos + block_size)])
+            for cand in at.get(head, ()):
+                steps += 1
+                if steps > MAX_WALK_STEPS:
+                    break
+                if cand.pending and not include_pending:
+                    continue
+                if cand.tokens <= limit:
+                    whole = hasher.copy()
+                    whole.update(raw[4 * pos:4 * cand.tokens])
+                    if whole.intdigest() == cand.token_digest:
+                        stack.append((cand.sha1, cand.tokens, whole, path + [Segment(cand, cand.tokens)]))
+                        continue
+                upto = self._partial(cand, ids, pos, limit, block_size, read_ids)
+                if upto > pos:
+                    part = hasher.copy()
+                    part.update(raw[4 * pos:4 * upto])
+                    stack.append((cand.sha1, upto, part, path + [Segment(cand, upto)]))
+        result = Lookup(best[2])
+        self._explain(ns, result, ids, block_size, limit)
         return result
 
+    @staticmethod
+    def _partial(cand: Entry, ids: np.ndarray, pos: int, limit: int, block_size: int,
+                 read_ids: IdsReader) -> int:
+        stop = min(cand.tokens, limit)
+        theirs = cand.ids[pos:stop] if cand.pending else read_ids(cand, pos, stop)
+        if theirs is None:
+            return pos
+        return pos + common_blocks(ids[pos:stop], theirs, block_size)
+
+    def _explain(self, ns: str, result: Lookup, ids: np.ndarray, block_size: int,
+                 limit: int) -> None:
+        """Why the deepest path did not go further (for metrics and the trace)."""
+        end = result.tokens
+        last = result.segments[-1] if result.segments else None
+        below: list[Entry] = []
+        if last is not None:  # files that start where the hit ends, whatever their head
+            for bucket in self._next.get((ns, last.entry.sha1, end), {}).values():
+                below += [e for e in bucket if not e.pending][:8 - len(below)]
+        if last is not None and not last.whole and end < limit:
+            result.miss = Miss.PREFIX_MISMATCH  # the prompt leaves this file inside it
+            result.diverged = [last.entry] + below
+        elif below and end < limit:
+            result.miss = Miss.PREFIX_MISMATCH  # deeper checkpoints exist; none continues
+            result.diverged = below
+        elif not result.segments and len(ids) >= block_size:
+            head = xxhash.xxh3_64_intdigest(np.ascontiguousarray(ids[:block_size]).tobytes())
+            others = tuple(sorted(self._roots.get(head, set()) - {ns}))
+            result.miss = Miss.OTHER_NAMESPACE if others else Miss.NO_CHECKPOINT
+            result.other_namespaces = others
+        else:
+            result.miss = Miss.NO_CHECKPOINT
+
     # -- eviction ---------------------------------------------------------------------
-    def plan_eviction(self, need_bytes: int, now: float, protected: Iterable[Key] = ()) -> list[Entry]:
-        """Leaves to delete, in order, until ``need_bytes`` are freed (or nothing is left)."""
+    def plan_eviction(self, need_bytes: int, now: float, protected: Iterable[Key] = (),
+                      adding: Iterable[Entry] = ()) -> list[Entry]:
+        """Leaves to delete, in order, until ``need_bytes`` are freed (or nothing is left).
+
+        ``adding``: files about to become visible; they and their ancestors are not
+        leaves for this plan (a delta never evicts its own parent). Pending saves of this
+        process count as children too, and ``protected`` keys are never chosen."""
         if need_bytes <= 0:
             return []
         keep = set(protected)
-        kids = {k: len(v) for k, v in self._children.items()}
+        kids: dict[Key, int] = {}
+        for (ns, parent), names in self._children.items():
+            if parent:
+                kids[(ns, parent)] = len(names)
+        for entry in adding:
+            keep.add(entry.key)
+            if entry.parent and entry.sha1 not in self._children.get((entry.ns, entry.parent), ()):
+                kids[(entry.ns, entry.parent)] = kids.get((entry.ns, entry.parent), 0) + 1
         heap = [(score(e, now), e.last_used, e.ns, e.sha1) for e in self._entries.values()
                 if not kids.get(e.key) and e.key not in keep]
         heapq.heapify(heap)

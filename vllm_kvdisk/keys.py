@@ -3,12 +3,11 @@
 * The rendered text of ``tokens[0:L]`` is the concatenation of each token's bytes, from a
   token -> bytes table built once from the tokenizer. It is raw bytes: a prefix may end in
   the middle of a UTF-8 character, so it is hashed and stored as bytes, never re-encoded.
+  A token id the table does not know (padded vocabularies sample them) renders as U+FFFD:
+  the text is a name and a preview, identity is always the token ids.
 * The key of a checkpoint is the hex SHA1 of that text; its file is ``<sha1>.kv``.
-  :class:`KeyCache` remembers SHA1 states at grid positions by a digest of the token ids,
-  so a prompt that extends one seen before is hashed from where the old one ended.
-* Checkpoints sit only on a fixed grid: ``L_k = align_down(k * align - trim, block)``.
-  Every save and every lookup uses the same grid, so the text of a prefix computed from a
-  later, longer prompt hashes to the same key.
+* ds4's grid ``L_k = align_down(k * align - trim, block)`` gives the shared meeting points
+  of conversations; tail checkpoints sit at any block boundary (see ``saverules``).
 * A namespace isolates everything that makes KV pages incompatible or private: the model
   and its revision, KV dtype, page layout, block size, TP shape, format version, the LoRA
   adapter and the cache salt. Two namespaces never share a file.
@@ -21,9 +20,8 @@ from __future__ import annotations
 import array
 import hashlib
 import json
-from collections import OrderedDict
-from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Sequence
 
 import numpy as np
 import xxhash
@@ -64,35 +62,54 @@ class Grid:
 
     def floor(self, limit: int) -> int:
         """The deepest grid position <= limit (0 if none)."""
-        positions = self.positions_upto(limit)
-        return positions[-1] if positions else 0
+        if limit <= 0:
+            return 0
+        k = (limit + self.trim) // self.align + 1  # position(k) >= k*align - trim - block
+        while k > 0 and self.position(k) > limit:
+            k -= 1
+        return max(0, self.position(k)) if k > 0 else 0
+
+    def block_floor(self, tokens: int) -> int:
+        return align_down(max(0, tokens), self.block_size)
 
 
 class TokenTable:
     """token id -> exact bytes, flattened so a prompt renders without a Python loop."""
 
-    __slots__ = ("_blob", "_starts", "_lengths")
+    __slots__ = ("_blob", "_starts", "_lengths", "_size")
+
+    UNKNOWN = "\ufffd".encode()  # what a detokenizer shows for an id it does not know
 
     def __init__(self, pieces: Sequence[bytes]):
+        # One extra slot at the end renders ids outside the vocabulary.
+        pieces = list(pieces) + [self.UNKNOWN]
+        self._size = len(pieces) - 1
         lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
         self._lengths = lengths
         self._starts = np.zeros(len(pieces), dtype=np.int64)
-        if len(pieces):
-            np.cumsum(lengths[:-1], out=self._starts[1:])
+        np.cumsum(lengths[:-1], out=self._starts[1:])
         self._blob = np.frombuffer(b"".join(pieces), dtype=np.uint8)
 
     def __len__(self) -> int:
-        return len(self._lengths)
+        return self._size
+
+    def digest(self) -> str:
+        """Identity of the vocabulary (what the tool-call log scopes its records by)."""
+        h = xxhash.xxh3_128()
+        h.update(self._lengths.tobytes())
+        h.update(self._blob.tobytes())
+        return h.hexdigest()
 
     def piece(self, token: int) -> bytes:
+        token = token if 0 <= token < self._size else self._size
         start = int(self._starts[token])
         return self._blob[start : start + int(self._lengths[token])].tobytes()
 
     def render(self, tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
         """Text of ``tokens`` and the byte offset where each token ends."""
         tokens = np.asarray(tokens, dtype=np.int64)
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= len(self._lengths)):
-            raise ValueError("token id outside the tokenizer's vocabulary")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self._size):
+            tokens = np.where((tokens < 0) | (tokens >= self._size), self._size, tokens)
         lengths = self._lengths[tokens]
         ends = np.cumsum(lengths)
         total = int(ends[-1]) if tokens.size else 0
@@ -116,48 +133,6 @@ def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
 def token_digest(tokens: np.ndarray) -> int:
     """xxh3-64 of token ids as little-endian u32: the identity check beside the text key."""
     return xxhash.xxh3_64_intdigest(np.ascontiguousarray(tokens, dtype="<u4").tobytes())
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixKey:
-    tokens: int  # L
-    sha1: str
-    text_end: int  # byte length of the text of tokens[0:L]
-
-
-def prefix_id_digests(ids: np.ndarray, positions: Sequence[int]) -> list[int]:
-    """xxh3-128 of the token ids ``[0, L)`` for every L in ``positions``, in one pass."""
-    raw = memoryview(np.ascontiguousarray(ids, dtype="<u4")).cast("B")
-    h = xxhash.xxh3_128()
-    out, done = [], 0
-    for pos in positions:
-        h.update(raw[4 * done: 4 * pos])
-        done = pos
-        out.append(h.intdigest())
-    return out
-
-
-class KeyCache:
-    """LRU map: digest of token ids [0, L) -> (SHA1 hex, SHA1 state, text bytes) at L."""
-
-    def __init__(self, capacity: int = 65536):
-        self.capacity = capacity
-        self._data: OrderedDict[int, tuple[str, Any, int]] = OrderedDict()
-
-    def get(self, digest: int) -> tuple[str, Any, int] | None:
-        hit = self._data.get(digest)
-        if hit is not None:
-            self._data.move_to_end(digest)
-        return hit
-
-    def put(self, digest: int, value: tuple[str, Any, int]) -> None:
-        self._data[digest] = value
-        self._data.move_to_end(digest)
-        while len(self._data) > self.capacity:
-            self._data.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +162,10 @@ class Fingerprint:
 
     def describe(self) -> dict[str, object]:
         return asdict(self)
+
+    def scoped(self, lora: str, salt_digest: str) -> Fingerprint:
+        """The namespace of one LoRA adapter and cache salt on this engine."""
+        return replace(self, lora=lora, salt_digest=salt_digest)
 
 
 def salt_digest(cache_salt: str | None) -> str:

@@ -1,9 +1,10 @@
 """What to load and what to save, decided from token ids alone (no I/O, no vLLM).
 
-A :class:`Prompt` renders a token sequence once (text, per-token byte ends, grid keys);
-:class:`Planner` answers "which chain restores the deepest prefix" and "which file would a
-save at L write, on top of which parent". The scheduler side of the connector calls it;
-the CLI and the benchmarks use it to make synthetic checkpoints the same way.
+:class:`Prompt` is a token sequence with its rendered text on demand (for file names and
+contents, never for lookups). :class:`Planner` answers "which chain restores the deepest
+prefix" and "which file would a save at L write, on top of which parent"; the scheduler
+side of the connector calls it, and the CLI and benchmarks make synthetic checkpoints
+the same way. :func:`encode_plan` is the one encoder of a checkpoint file.
 """
 
 from __future__ import annotations
@@ -15,55 +16,20 @@ from typing import Sequence
 import numpy as np
 
 from vllm_kvdisk.format import Encoded, PageLayout, Payload, Reason, encode_checkpoint
-from vllm_kvdisk.index import Entry, Index, Lookup, Miss
-from vllm_kvdisk.keys import (Grid, KeyCache, PrefixKey, TokenTable, as_token_array,
-                              prefix_id_digests, token_digest)
+from vllm_kvdisk.index import Entry, IdsReader, Index, Lookup, Miss, head_digest
+from vllm_kvdisk.keys import TokenTable, as_token_array, token_digest
 
 
 class Prompt:
-    """A token sequence keyed for lookups: the SHA1 of its text at every grid position.
+    """Token ids, with the text of any prefix rendered once on demand."""
 
-    With a :class:`KeyCache`, only the part after the deepest grid position seen before
-    (the same token ids, recognised by a streaming xxh3-128 of the ids) is rendered and
-    hashed: an agent resending a 100k-token conversation pays for its new tokens only.
-    The full text is rendered lazily, when a save or a diagnostic needs it.
-    """
+    __slots__ = ("ids", "_table", "_text", "_ends")
 
-    __slots__ = ("ids", "keys", "_table", "_digests", "_text", "_ends")
-
-    def __init__(self, table: TokenTable, grid: Grid, tokens: Sequence[int] | np.ndarray,
-                 limit: int | None = None, cache: KeyCache | None = None):
+    def __init__(self, table: TokenTable, tokens: Sequence[int] | np.ndarray):
         self.ids = as_token_array(tokens)
         self._table = table
-        self._digests: dict[int, int] = {}
         self._text: bytes | None = None
         self._ends: np.ndarray | None = None
-        n = len(self.ids) if limit is None else min(limit, len(self.ids))
-        positions = grid.positions_upto(n)
-        self.keys: list[PrefixKey] = []
-        ids_digests = prefix_id_digests(self.ids, positions) if cache is not None else []
-        state, begin, begin_bytes = None, 0, 0
-        for i, pos in enumerate(positions):
-            hit = cache.get(ids_digests[i]) if cache is not None else None
-            if hit is None:
-                break
-            sha1_hex, state, begin_bytes = hit
-            self.keys.append(PrefixKey(pos, sha1_hex, begin_bytes))
-            begin = pos
-        todo = positions[len(self.keys):]
-        if not todo:
-            return
-        text, ends = table.render(self.ids[begin:todo[-1]])
-        sha = state.copy() if state is not None else hashlib.sha1()
-        done = 0
-        for i, pos in enumerate(todo, start=len(self.keys)):
-            end = int(ends[pos - begin - 1])
-            sha.update(text[done:end])
-            done = end
-            key = PrefixKey(pos, sha.hexdigest(), begin_bytes + end)
-            self.keys.append(key)
-            if cache is not None:
-                cache.put(ids_digests[i], (key.sha1, sha.copy(), key.text_end))
 
     def _render(self) -> None:
         if self._text is None:
@@ -74,22 +40,18 @@ class Prompt:
         self._render()
         return self._text  # type: ignore[return-value]
 
-    def digest(self, length: int) -> int:
-        if length not in self._digests:
-            self._digests[length] = token_digest(self.ids[:length])
-        return self._digests[length]
-
-    def key_at(self, length: int) -> PrefixKey | None:
-        for key in self.keys:
-            if key.tokens == length:
-                return key
-        return None
-
     def text_upto(self, length: int) -> bytes:
         if not length:
             return b""
         self._render()
         return self._text[: int(self._ends[length - 1])]  # type: ignore[index]
+
+    def sha1_at(self, length: int) -> str:
+        """The seed's key: SHA1 of the rendered text of the first ``length`` tokens."""
+        return hashlib.sha1(self.text_upto(length)).hexdigest()
+
+    def digest(self, length: int) -> int:
+        return token_digest(self.ids[:length])
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,43 +65,50 @@ class SavePlan:
 
 
 class Planner:
-    def __init__(self, index: Index, grid: Grid, min_tokens: int = 1):
+    def __init__(self, index: Index, block_size: int, read_ids: IdsReader,
+                 min_tokens: int = 1):
         self.index = index
-        self.grid = grid
+        self.block_size = block_size
+        self.read_ids = read_ids
         self.min_tokens = min_tokens
 
-    def lookup(self, ns: str, prompt: Prompt, usable: int) -> Lookup:
-        """Deepest chain for ``prompt`` ending at most at ``usable`` tokens."""
-        keys = [k for k in prompt.keys if k.tokens <= usable]
-        if not keys or keys[-1].tokens < self.min_tokens:
+    def lookup(self, ns: str, ids: np.ndarray, usable: int) -> Lookup:
+        """Deepest chain for the prompt ``ids`` ending at most at ``usable`` tokens."""
+        if usable - usable % self.block_size < self.min_tokens:
             return Lookup(miss=Miss.BELOW_MIN_TOKENS)
-        return self.index.lookup(ns, keys, prompt.digest)
+        return self.index.lookup(ns, ids, usable, self.block_size, self.read_ids)
 
     def plan_save(self, ns: str, prompt: Prompt, length: int, reason: Reason) -> SavePlan | None:
-        """A save of ``prompt[:length]`` (a grid position) as a delta on the deepest
-        checkpoint already on disk or in flight; None when the key is already known."""
-        key = prompt.key_at(length)
-        if key is None or length < self.min_tokens:
+        """A save of ``prompt[:length]`` (a block boundary) as a delta on the deepest
+        checkpoint on disk or in flight that holds a prefix of it (possibly up to the
+        middle of that file); None when that checkpoint already covers ``length``."""
+        if length < self.min_tokens or length % self.block_size or length > len(prompt.ids):
             return None
-        if self.index.get(ns, key.sha1) is not None or self.index.pending(ns, key.sha1):
+        below = self.index.lookup(ns, prompt.ids, length, self.block_size, self.read_ids,
+                                  include_pending=True)
+        if below.tokens >= length:
             return None
-        below = [k for k in prompt.keys if k.tokens < length]
-        parent = self.index.lookup(ns, below, prompt.digest, include_pending=True).chain if below else []
-        top = parent[-1] if parent else None
-        plan = SavePlan(ns, key.sha1, length, top.sha1 if top else None,
-                        top.tokens if top else 0, reason)
-        return plan
+        top = below.segments[-1].entry if below.segments else None
+        return SavePlan(ns, prompt.sha1_at(length), length, top.sha1 if top else None,
+                        below.tokens, reason)
 
-    def reserve(self, plan: SavePlan, digest: int, now: int) -> bool:
-        return self.index.reserve(Entry(plan.ns, plan.sha1, plan.tokens, plan.parent,
-                                        plan.parent_tokens, plan.reason, 0, now, now, 0, digest))
+    def reserve(self, plan: SavePlan, prompt: Prompt, now: int) -> bool:
+        """Make a planned save visible to later plans (as a parent, or a duplicate)."""
+        ids = prompt.ids[: plan.tokens]
+        return self.index.reserve(Entry(
+            plan.ns, plan.sha1, plan.tokens, plan.parent, plan.parent_tokens, plan.reason, 0,
+            now, now, 0, token_digest(ids), head_digest(ids, plan.parent_tokens, self.block_size),
+            ids=ids))
 
 
-def encode_plan(plan: SavePlan, *, text: bytes, ids: np.ndarray, layers: Sequence,
+def encode_plan(plan: SavePlan, *, text: bytes, ids: np.ndarray | bytes, layers: Sequence,
                 layout: PageLayout, fingerprint: bytes, kv_dtype: str, context_size: int,
                 now: int, tool_map: Sequence[tuple[str, str]] = ()) -> Encoded:
-    """Encode the file of ``plan``; ``layers`` hold the pages of blocks it owns."""
+    """Encode the file of ``plan``; ``layers`` hold the pages of blocks it owns and
+    ``ids`` the token ids of (at least) the whole prefix."""
     bs = layout.block_size
+    if isinstance(ids, (bytes, bytearray, memoryview)):
+        ids = np.frombuffer(ids, dtype="<u4")
     tokens = np.ascontiguousarray(ids[: plan.tokens], dtype="<u4")
     payload = Payload(fingerprint, plan.parent, plan.parent_tokens, plan.parent_tokens // bs,
                       (plan.tokens - plan.parent_tokens) // bs, layout, token_digest(tokens))

@@ -1,20 +1,25 @@
-"""The cache directory: atomic checkpoint files, index rebuild, quarantine, budget.
+"""The cache directory: atomic checkpoint files, index rebuild, quarantine, one budget.
 
 Layout of ``root`` (0700 directories, 0600 files)::
 
     root/<namespace>/namespace.json   what the namespace is (self-describing)
     root/<namespace>/<sha1>.kv        checkpoints
-    root/<namespace>/.tmp-*           writes in progress (never indexed)
-    root/quarantine/                  files that failed to parse or verify
+    root/<namespace>/.tmp-*           writes in progress (locked by their writer)
+    root/quarantine/                  files proven corrupt, with a .why note each
+    root/.lock                        serialises budget decisions between processes
 
 Invariants:
-* A ``.kv`` name appears only after its bytes are written and fsynced (temp file in the same
-  directory, ``os.replace``); the index learns of it after that.
-* Readers open a file once and read through the descriptor: a concurrent ``os.replace`` or
-  unlink by another process never changes what an open reader sees.
-* Anything that fails to parse is moved to the quarantine, counted, and reported as a miss.
-* The byte budget and the free-space watermark are enforced after every write by evicting
-  leaves chosen by :meth:`Index.plan_eviction`; the file just written is protected.
+* A ``.kv`` name appears only after its bytes are written and fsynced, and only while its
+  parent is on disk: the rename happens under the lock after the parent was seen.
+* Budget and free-space decisions are made under the lock from the directory as it is
+  (a re-listing), counting every process's files, so N replicas keep one budget; a new
+  file and its ancestors are never leaves of its own eviction plan; a save that cannot
+  fit (an unreachable watermark) is skipped and evicts nothing.
+* Only a file proven corrupt in this build's format version is quarantined. A file of
+  another version is left alone; one that cannot be read right now (EIO, ESTALE, EMFILE)
+  is skipped and tried again at the next refresh.
+* Nothing is followed through a symlink (see ``fsdir``); an entry remembers its file's
+  inode, so a file replaced by another process is re-indexed, never mistaken for corrupt.
 
 Pure of vLLM and torch.
 """
@@ -23,28 +28,51 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
-import logging
 import os
 import re
-import secrets
 import threading
 import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
+import numpy as np
+
+from vllm_kvdisk import fsdir
 from vllm_kvdisk.format import (HEADER_FIELD_HITS, HEADER_FIELD_LAST_USED, Encoded,
-                                FormatError, Meta, read_meta, read_summary, read_text)
+                                FormatError, Meta, Summary, UnsupportedFile, read_meta,
+                                read_summary, read_text, read_token_range, summary_of)
 from vllm_kvdisk.index import Entry, Index, Key
 from vllm_kvdisk.keys import Fingerprint
+from vllm_kvdisk.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 KV_NAME = re.compile(r"^[0-9a-f]{40}\.kv$")
 NS_NAME = re.compile(r"^[0-9a-f]{16}$")
 QUARANTINE = "quarantine"
-STALE_TMP_S = 3600
+TRASH_PREFIX = ".trash-"
+LOCK_TIMEOUT_S = 10.0
+QUARANTINE_MAX_FILES = 256
+IDS_CACHE_BYTES = 64 << 20
+
+
+class SaveSkipped(Exception):
+    """A save was not made for a reason that is no fault (no room, lock busy, parent gone)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def entry_of(ns: str, sha1: str, summary: Summary, size: int, inode: int) -> Entry:
+    """The index entry of a file, from what a scan reads or a writer just encoded."""
+    h = summary.header
+    return Entry(ns, sha1, h.tokens, summary.parent_sha1, summary.parent_tokens, h.reason,
+                 h.hits, h.created, h.last_used, size, summary.token_digest, summary.head,
+                 summary.ids_at, inode)
 
 
 @dataclass(slots=True)
@@ -55,19 +83,24 @@ class StoreStats:
     bytes_evicted: int = 0
     quarantined: int = 0
     write_failures: int = 0
+    skipped_saves: int = 0
+    unreadable: int = 0  # files skipped for an I/O error (tried again later)
 
 
 @dataclass(slots=True)
-class _NsState:
+class _Namespace:
+    fd: int
     mtime_ns: int = -1
-    names: set[str] = field(default_factory=set)
+    skipped: dict[str, tuple[int, str]] = field(default_factory=dict)  # name -> (inode, why)
 
 
 class Store:
     def __init__(self, root: str, *, space_bytes: int, min_free_bytes: int = 0,
                  clock: Callable[[], float] = time.time,
-                 statvfs: Callable[[str], os.statvfs_result] = os.statvfs,
-                 on_evict: Callable[[Entry], None] | None = None, readonly: bool = False):
+                 statvfs: Callable[[int], os.statvfs_result] = os.fstatvfs,
+                 on_evict: Callable[[Entry], None] | None = None, readonly: bool = False,
+                 allow_shared_dir: bool = False, lock_timeout_s: float = LOCK_TIMEOUT_S,
+                 quarantine_max_bytes: int | None = None):
         self.root = os.path.abspath(root)
         self.space_bytes = space_bytes
         self.min_free_bytes = min_free_bytes
@@ -75,120 +108,233 @@ class Store:
         self._statvfs = statvfs
         self.index = Index()
         self.stats = StoreStats()
-        self._ns: dict[str, _NsState] = {}
         self._on_evict = on_evict
+        self.lock_timeout_s = lock_timeout_s
+        self.quarantine_max_bytes = (quarantine_max_bytes if quarantine_max_bytes is not None
+                                     else max(64 << 20, space_bytes // 16))
         # Read-only stores (inspection tools) never move, delete or create anything; files
         # they cannot parse are only listed in ``rejected``.
         self.readonly = readonly
-        self.rejected: list[tuple[str, str, str]] = []
-        # Guards the index: I/O threads of one process write, evict and quarantine at once.
-        # File bytes are written outside it; only index changes and deletions hold it.
+        self.rejected: deque[tuple[str, str, str]] = deque(maxlen=4096)
+        # Guards the index and the descriptors: I/O threads of one process write, evict and
+        # quarantine at once. Never held while waiting for the cross-process lock.
         self._mutex = threading.RLock()
+        self._ns: dict[str, _Namespace] = {}
+        self._ids: OrderedDict[tuple[str, str, int], np.ndarray] = OrderedDict()
+        self._ids_bytes = 0
+        self._root_fd = -1
+        if readonly and not os.path.isdir(self.root):
+            return  # nothing there yet: an empty cache
         if not readonly:
             os.makedirs(self.root, mode=0o700, exist_ok=True)
+        fsdir.check_root(self.root, allow_shared=allow_shared_dir or readonly)
+        self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
-    # -- paths ------------------------------------------------------------------------
+    def close(self) -> None:
+        with self._mutex:
+            for state in self._ns.values():
+                with contextlib.suppress(OSError):
+                    os.close(state.fd)
+            self._ns.clear()
+            if self._root_fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(self._root_fd)
+                self._root_fd = -1
+
+    # -- paths and namespaces ---------------------------------------------------------
     def ns_dir(self, ns: str) -> str:
         return os.path.join(self.root, ns)
 
     def path(self, ns: str, sha1: str) -> str:
         return os.path.join(self.root, ns, f"{sha1}.kv")
 
+    def _namespace(self, ns: str, *, create: bool = False) -> _Namespace | None:
+        """The open directory of ``ns`` (reopened if it was renamed or replaced)."""
+        if self._root_fd < 0:
+            return None
+        state = self._ns.get(ns)
+        if state is not None and fsdir.same_dir(state.fd, ns, self._root_fd):
+            return state
+        if state is not None:
+            os.close(state.fd)
+            del self._ns[ns]
+            self._forget_namespace(ns)
+        try:
+            fd = (fsdir.make_dir(ns, self._root_fd) if create and not self.readonly
+                  else fsdir.open_dir(ns, self._root_fd))
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                log.warning("kvdisk: %s/%s is not a real directory; ignored", self.root, ns)
+                return None
+            raise
+        state = _Namespace(fd)
+        self._ns[ns] = state
+        return state
+
+    def _forget_namespace(self, ns: str) -> None:
+        for entry in self.index.namespace_entries(ns):
+            self.index.remove(ns, entry.sha1)
+
     def ensure_namespace(self, fp: Fingerprint) -> str:
         ns = fp.dirname()
-        path = self.ns_dir(ns)
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        desc = os.path.join(path, "namespace.json")
-        if not os.path.exists(desc):
-            body = json.dumps({"digest": fp.digest().hex(), **fp.describe()}, indent=1,
-                              sort_keys=True).encode()
-            self._atomic_write(path, "namespace.json", [body])
+        with self._mutex:
+            state = self._namespace(ns, create=True)
+            if state is None:
+                raise OSError(errno.ENOENT, f"cannot create namespace {ns} in {self.root}")
+            try:
+                os.stat("namespace.json", dir_fd=state.fd, follow_symlinks=False)
+            except FileNotFoundError:
+                body = json.dumps({"digest": fp.digest().hex(), **fp.describe()}, indent=1,
+                                  sort_keys=True).encode()
+                fsdir.write_atomic(state.fd, "namespace.json", [body])
         return ns
 
-    # -- scanning ---------------------------------------------------------------------
-    def namespaces(self) -> list[str]:
-        try:
-            names = os.listdir(self.root)
-        except FileNotFoundError:
-            return []
-        return sorted(n for n in names if NS_NAME.match(n) and os.path.isdir(self.ns_dir(n)))
+    def namespace_info(self, ns: str) -> dict | None:
+        """What ``namespace.json`` says the namespace is (None if unreadable)."""
+        with self._mutex:
+            state = self._namespace(ns)
+            if state is None:
+                return None
+            try:
+                fd = os.open("namespace.json", os.O_RDONLY | fsdir.NOFOLLOW, dir_fd=state.fd)
+                with os.fdopen(fd, "rb") as fh:
+                    info = json.loads(fh.read(1 << 16))
+            except (OSError, ValueError):
+                return None
+        return info if isinstance(info, dict) else None
 
+    def namespaces(self) -> list[str]:
+        """Namespace directories (real directories only; symlinks are ignored)."""
+        if self._root_fd < 0:
+            return []
+        try:
+            with os.scandir(self._root_fd) as it:
+                return sorted(de.name for de in it
+                              if NS_NAME.match(de.name) and de.is_dir(follow_symlinks=False))
+        except OSError as exc:
+            log.warning("kvdisk: cannot list %s: %s", self.root, exc)
+            return []
+
+    # -- scanning ---------------------------------------------------------------------
     def scan(self) -> None:
         """Rebuild the index from the file headers on disk (payloads untouched)."""
         with self._mutex:
             self.index.clear()
-            self._ns.clear()
-            self.rejected = []
-            for ns in self.namespaces():
-                self._refresh(ns, True)
+            for state in self._ns.values():
+                state.mtime_ns, state.skipped = -1, {}
+            self.rejected.clear()
+            self._refresh_all(force=True)
 
     def refresh(self, ns: str, *, force: bool = False) -> bool:
-        """Pick up files other processes added or removed. Cheap when nothing changed."""
+        """Pick up files other processes added, replaced or removed. Cheap when nothing
+        changed (one stat of the directory). Never raises for I/O errors: they are logged
+        and the index is left as it was."""
         with self._mutex:
-            return self._refresh(ns, force)
+            try:
+                return self._refresh(ns, force)
+            except OSError as exc:
+                log.warning("kvdisk: could not refresh %s/%s: %s", self.root, ns, exc)
+                return False
+
+    def _refresh_all(self, force: bool = False) -> None:
+        names = self.namespaces()
+        for ns in (set(self._ns) | set(self.index.namespaces())) - set(names):
+            if self._namespace(ns) is None:  # gone: forget its entries
+                self._forget_namespace(ns)
+        for ns in names:
+            try:
+                self._refresh(ns, force)
+            except OSError as exc:
+                log.warning("kvdisk: could not refresh %s/%s: %s", self.root, ns, exc)
 
     def _refresh(self, ns: str, force: bool) -> bool:
-        path = self.ns_dir(ns)
-        try:
-            mtime = os.stat(path).st_mtime_ns
-        except FileNotFoundError:
-            mtime = -2
-        state = self._ns.setdefault(ns, _NsState())
+        state = self._namespace(ns)
+        if state is None:
+            self._forget_namespace(ns)
+            return True
+        mtime = os.fstat(state.fd).st_mtime_ns
         if not force and mtime == state.mtime_ns:
             return False
-        state.mtime_ns = mtime
-        names: set[str] = set()
+        listed: dict[str, int] = {}
         now = self.clock()
-        with contextlib.suppress(FileNotFoundError):
-            with os.scandir(path) as it:
-                for de in it:
-                    if KV_NAME.match(de.name):
-                        names.add(de.name)
-                    elif de.name.startswith(".tmp-") and not self.readonly:
-                        self._drop_stale_tmp(de, now)
-        for gone in state.names - names:
-            self.index.remove(ns, gone[:40])
-        for new in sorted(names - state.names):
-            self._index_file(ns, new[:40])
-        state.names = names
+        with os.scandir(state.fd) as it:
+            for de in it:
+                if KV_NAME.match(de.name):
+                    if de.is_file(follow_symlinks=False):
+                        listed[de.name[:40]] = de.inode()
+                elif de.name.startswith(fsdir.TMP_PREFIX) and not self.readonly:
+                    if fsdir.writer_gone(state.fd, de.name, now):
+                        with contextlib.suppress(OSError):
+                            os.unlink(de.name, dir_fd=state.fd)
+        for entry in self.index.namespace_entries(ns):
+            if listed.get(entry.sha1) != entry.inode:
+                self.index.remove(ns, entry.sha1)  # deleted or replaced by another process
+        complete = True
+        for sha1, inode in sorted(listed.items()):
+            if self.index.get(ns, sha1) is not None:
+                continue
+            skipped = state.skipped.get(sha1)
+            if skipped is not None and skipped[0] == inode:
+                continue
+            complete &= self._index_file(ns, state, sha1)
+        for sha1 in set(state.skipped) - set(listed):
+            del state.skipped[sha1]
+        # A file we could not read right now keeps the directory "changed", so the next
+        # refresh tries it again.
+        state.mtime_ns = mtime if complete else -1
         return True
 
-    def _drop_stale_tmp(self, de: os.DirEntry, now: float) -> None:
-        with contextlib.suppress(OSError):
-            if now - de.stat().st_mtime > STALE_TMP_S:
-                os.unlink(de.path)
-
-    def _index_file(self, ns: str, sha1: str) -> Entry | None:
-        """Index one file from its first page alone (the hot loop of a start-up scan)."""
+    def _index_file(self, ns: str, state: _Namespace, sha1: str) -> bool:
+        """Index one file from its first bytes; False if it should be tried again later."""
+        name = f"{sha1}.kv"
         try:
-            fd = os.open(f"{self.root}/{ns}/{sha1}.kv", os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(name, os.O_RDONLY | fsdir.NOFOLLOW, dir_fd=state.fd)
         except FileNotFoundError:
-            return None
+            return True
         except OSError as exc:
-            self.quarantine(ns, sha1, str(exc))
-            return None
+            return self._unreadable(ns, sha1, exc)
         try:
-            size = os.fstat(fd).st_size
-            sm = read_summary(fd, size)
-            h = sm.header
-            entry = Entry(ns, sha1, h.tokens, sm.parent_sha1, sm.parent_tokens, h.reason, h.hits,
-                          h.created, h.last_used, size, sm.token_digest)
-        except (FormatError, OSError) as exc:
-            self.quarantine(ns, sha1, str(exc))
-            return None
+            st = os.fstat(fd)
+            entry = entry_of(ns, sha1, read_summary(fd, st.st_size), st.st_size, st.st_ino)
+        except UnsupportedFile as exc:
+            state.skipped[sha1] = (os.fstat(fd).st_ino, str(exc))
+            self.rejected.append((ns, sha1, f"unsupported: {exc}"))
+            return True
+        except FormatError as exc:
+            self._quarantine(ns, sha1, str(exc), inode=os.fstat(fd).st_ino)
+            return True
+        except OSError as exc:
+            return self._unreadable(ns, sha1, exc)
         finally:
             os.close(fd)
         self.index.add(entry)
-        return entry
+        return True
+
+    def _unreadable(self, ns: str, sha1: str, exc: OSError) -> bool:
+        self.stats.unreadable += 1
+        log.warning("kvdisk: cannot read %s/%s.kv now (%s); will try again", ns, sha1, exc)
+        return False
 
     # -- reading ----------------------------------------------------------------------
+    def open_file(self, ns: str, sha1: str, *, writable: bool = False) -> int:
+        """A descriptor of ``<ns>/<sha1>.kv``, never through a symlink (OSError if gone)."""
+        with self._mutex:
+            state = self._namespace(ns)
+            if state is None:
+                raise FileNotFoundError(errno.ENOENT, f"no namespace {ns}")
+            flags = (os.O_RDWR if writable else os.O_RDONLY) | fsdir.NOFOLLOW
+            return os.open(f"{sha1}.kv", flags, dir_fd=state.fd)
+
     @contextlib.contextmanager
-    def open(self, ns: str, sha1: str) -> Iterator[tuple[int, Meta, int]]:
-        """Open a checkpoint and parse its metadata; FormatError if it is not sound."""
-        fd = os.open(self.path(ns, sha1), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    def open(self, ns: str, sha1: str) -> Iterator[tuple[int, Meta, os.stat_result]]:
+        """Open a checkpoint and parse its metadata; FormatError if it is not sound,
+        OSError if it cannot be opened (gone, a symlink, an I/O error)."""
+        fd = self.open_file(ns, sha1)
         try:
-            size = os.fstat(fd).st_size
-            yield fd, read_meta(fd, size), size
+            st = os.fstat(fd)
+            yield fd, read_meta(fd, st.st_size), st
         finally:
             os.close(fd)
 
@@ -196,15 +342,44 @@ class Store:
         with self.open(ns, sha1) as (fd, meta, _):
             return read_text(fd, meta)
 
+    def read_ids(self, entry: Entry, start: int, stop: int) -> np.ndarray | None:
+        """Stored token ids ``[start, stop)`` of a file (cached), None if unreadable."""
+        key = (entry.ns, entry.sha1, entry.inode)
+        with self._mutex:
+            ids = self._ids.get(key)
+            if ids is not None:
+                self._ids.move_to_end(key)
+                return ids[start:stop]
+        try:
+            fd = self.open_file(entry.ns, entry.sha1)
+            try:
+                if os.fstat(fd).st_ino != entry.inode:
+                    return None
+                ids = np.frombuffer(read_token_range(fd, entry.ids_at, 0, entry.tokens),
+                                    dtype="<u4")
+            finally:
+                os.close(fd)
+        except (OSError, FormatError):
+            return None
+        with self._mutex:
+            self._ids[key] = ids
+            self._ids_bytes += ids.nbytes
+            while self._ids_bytes > IDS_CACHE_BYTES and len(self._ids) > 1:
+                _, old = self._ids.popitem(last=False)
+                self._ids_bytes -= old.nbytes
+        return ids[start:stop]
+
     def touch(self, ns: str, sha1: str) -> None:
         """A hit: bump the hit count and last-used time, in the index and in place on disk."""
         entry = self.index.get(ns, sha1)
         now = int(self.clock())
         try:
-            fd = os.open(self.path(ns, sha1), os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+            fd = self.open_file(ns, sha1, writable=True)
         except OSError:
             return
         try:
+            if entry is not None and os.fstat(fd).st_ino != entry.inode:
+                return  # replaced by another process: its statistics are its own
             hits = int.from_bytes(os.pread(fd, 4, HEADER_FIELD_HITS), "little")
             os.pwrite(fd, min(hits + 1, 0xFFFFFFFF).to_bytes(4, "little"), HEADER_FIELD_HITS)
             os.pwrite(fd, now.to_bytes(8, "little"), HEADER_FIELD_LAST_USED)
@@ -218,135 +393,267 @@ class Store:
                 entry.last_used = now
 
     # -- writing ----------------------------------------------------------------------
-    def _atomic_write(self, directory: str, name: str, buffers: list) -> int:
-        tmp = os.path.join(directory, f".tmp-{name}-{os.getpid()}-{secrets.token_hex(4)}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
-        try:
-            total = 0
-            views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
-            while views:
-                n = os.writev(fd, views[:1024])
-                total += n
-                while views and n >= views[0].nbytes:
-                    n -= views[0].nbytes
-                    views.pop(0)
-                if n:
-                    views[0] = views[0][n:]
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        os.close(fd)
-        os.replace(tmp, os.path.join(directory, name))
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-        return total
-
-    def write(self, ns: str, sha1: str, encoded: Encoded) -> Entry:
-        """Write a checkpoint atomically, index it, then enforce budget and watermark."""
+    def write(self, ns: str, sha1: str, encoded: Encoded, *,
+              protect: Iterable[Key] = ()) -> Entry:
+        """Write a checkpoint atomically and index it, keeping the budget and the free-space
+        watermark. Raises SaveSkipped (nothing written, nothing evicted) when it cannot fit,
+        its parent is gone, or the lock is busy; OSError/FormatError when writing failed."""
         with self._mutex:
-            self._make_room(encoded.size, protect=(ns, sha1))
-        directory = self.ns_dir(ns)
+            state = self._namespace(ns, create=True)
+            if state is None:
+                raise OSError(errno.ENOENT, f"cannot create namespace {ns}")
+            dir_fd = os.dup(state.fd)  # ours until the end, whatever happens to the cache
+        entry = entry_of(ns, sha1, summary_of(encoded), encoded.size, 0)
         try:
-            written = self._atomic_write(directory, f"{sha1}.kv", encoded.buffers)
+            with fsdir.TempFile(dir_fd, f"{sha1}.kv") as tmp:
+                try:
+                    written = tmp.write(encoded.buffers)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                        raise
+                    # The volume is fuller than our budget knows: make room, try once more.
+                    tmp.rewind()
+                    self._commit(entry, None, protect)
+                    written = tmp.write(encoded.buffers)
+                if written != encoded.size:
+                    raise FormatError(f"wrote {written} bytes, layout says {encoded.size}")
+                entry.inode = tmp.inode()
+                self._commit(entry, tmp, protect)
+        except SaveSkipped:
+            self.stats.skipped_saves += 1
+            raise
         except OSError:
             self.stats.write_failures += 1
             raise
-        if written != encoded.size:
-            raise FormatError(f"wrote {written} bytes, layout says {encoded.size}")
-        h, p = encoded.header, encoded.payload
-        entry = Entry(ns, sha1, h.tokens, p.parent_sha1, p.parent_tokens, h.reason, 0,
-                      h.created, h.last_used, encoded.size, p.token_digest)
-        with self._mutex:
-            self.index.add(entry)
-            self._ns.setdefault(ns, _NsState()).names.add(f"{sha1}.kv")
-            self.stats.written += 1
-            self.stats.bytes_written += encoded.size
-            self._make_room(0, protect=(ns, sha1))
+        finally:
+            os.close(dir_fd)
         return entry
 
-    # -- budget -----------------------------------------------------------------------
-    def free_bytes(self) -> int:
-        st = self._statvfs(self.root)
-        return st.f_bavail * st.f_frsize
-
-    def _make_room(self, incoming: int, protect: Key) -> None:
-        over_budget = self.index.total_bytes + incoming - self.space_bytes
+    def _commit(self, entry: Entry, tmp: fsdir.TempFile | None, protect: Iterable[Key]) -> None:
+        """Under the lock: check the parent, make room, then rename the temp file into
+        place (``tmp`` None: only make room for a file of ``entry.size``)."""
         try:
-            short_free = self.min_free_bytes - (self.free_bytes() - incoming)
+            with fsdir.locked(self._root_fd, self.lock_timeout_s), self._mutex:
+                self._commit_locked(entry, tmp, protect)
+        except fsdir.LockTimeout as exc:
+            raise SaveSkipped("lock_timeout", str(exc)) from None
+
+    def _commit_locked(self, entry: Entry, tmp: fsdir.TempFile | None,
+                       protect: Iterable[Key]) -> None:
+        ns = entry.ns
+        self._refresh_all()
+        if tmp is not None and not fsdir.same_dir(tmp.dir_fd, ns, self._root_fd):
+            raise SaveSkipped("namespace_removed", f"namespace {ns} was removed meanwhile")
+        if entry.parent is not None:
+            above = self.index.get(ns, entry.parent)
+            if above is None or not above.parent_tokens < entry.parent_tokens <= above.tokens:
+                raise SaveSkipped("parent_gone", f"parent {entry.parent[:12]} is not on disk")
+        incoming = entry.size if tmp is None else 0  # a written temp file already takes room
+        need = self._shortfall(entry.size, incoming)
+        if need > 0:
+            self._refresh_all(force=True)  # decide evictions from the directory as it is
+            need = self._shortfall(entry.size, incoming)
+        if need > 0:
+            keep = set(protect) | {entry.key}
+            plan = self.index.plan_eviction(need, self.clock(), keep, adding=[entry])
+            freed = sum(e.size for e in plan)
+            if freed < need:
+                raise SaveSkipped("no_space", (
+                    f"{need} bytes must be freed for a file of {entry.size} but only {freed} "
+                    "are evictable (budget or free-space watermark)"))
+            self._delete(plan)
+        if tmp is None:
+            return
+        tmp.commit()
+        self.index.add(entry)
+        self.stats.written += 1
+        self.stats.bytes_written += entry.size
+
+    def _shortfall(self, size: int, incoming: int) -> int:
+        """Bytes to free so a file of ``size`` fits the budget and the watermark
+        (``incoming``: how much of it is not on the volume yet)."""
+        over_budget = self.index.total_bytes + size - self.space_bytes
+        try:
+            st = self._statvfs(self._root_fd)
+            short_free = self.min_free_bytes - (st.f_bavail * st.f_frsize - incoming)
         except OSError:
             short_free = 0
-        need = max(over_budget, short_free)
-        if need > 0:
-            self.evict(need, protect=[protect])
+        return max(over_budget, short_free)
 
-    def evict(self, need_bytes: int, protect: list[Key] | tuple = ()) -> list[Entry]:
-        """Delete the lowest-scored leaves until ``need_bytes`` are freed."""
-        with self._mutex, self._lock():
-            plan = self.index.plan_eviction(need_bytes, self.clock(), protect)
-            for entry in plan:
-                self.index.remove(entry.ns, entry.sha1)
-                self._ns.get(entry.ns, _NsState()).names.discard(f"{entry.sha1}.kv")
+    # -- eviction ---------------------------------------------------------------------
+    def _delete(self, plan: list[Entry]) -> None:
+        for entry in plan:
+            self.index.remove(entry.ns, entry.sha1)
+            state = self._namespace(entry.ns)
+            if state is not None:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.path(entry.ns, entry.sha1))
-                self.stats.evicted += 1
-                self.stats.bytes_evicted += entry.size
-                if self._on_evict is not None:
-                    self._on_evict(entry)
+                    os.unlink(f"{entry.sha1}.kv", dir_fd=state.fd)
+            self.stats.evicted += 1
+            self.stats.bytes_evicted += entry.size
+            if self._on_evict is not None:
+                self._on_evict(entry)
+
+    def evict(self, need_bytes: int, protect: Iterable[Key] = (), *,
+              dry_run: bool = False) -> list[Entry]:
+        """Delete the lowest-scored leaves until ``need_bytes`` are freed (decided under the
+        lock from a fresh listing). ``dry_run``: only say what would go."""
+        with fsdir.locked(self._root_fd, self.lock_timeout_s), self._mutex:
+            self._refresh_all(force=True)
+            plan = self.index.plan_eviction(need_bytes, self.clock(), protect)
+            if not dry_run:
+                self._delete(plan)
         return plan
 
-    def gc_to(self, target_bytes: int) -> list[Entry]:
-        return self.evict(self.index.total_bytes - target_bytes)
+    def gc_to(self, target_bytes: int, *, dry_run: bool = False) -> list[Entry]:
+        with self._mutex:
+            self._refresh_all()
+            need = self.index.total_bytes - target_bytes
+        return self.evict(need, dry_run=dry_run)
 
-    @contextlib.contextmanager
-    def _lock(self) -> Iterator[None]:
-        """Serialise evictions between processes sharing the directory."""
-        fd = os.open(os.path.join(self.root, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    def remove_namespace(self, ns: str) -> int:
+        """Remove a whole namespace; returns the files removed. The directory is renamed
+        away first, so concurrent readers of it only miss."""
+        with fsdir.locked(self._root_fd, self.lock_timeout_s), self._mutex:
+            trash = f"{TRASH_PREFIX}{ns}-{os.getpid()}-{int(self.clock() * 1000)}"
+            try:
+                os.rename(ns, trash, src_dir_fd=self._root_fd, dst_dir_fd=self._root_fd)
+            except FileNotFoundError:
+                return 0
+            self._namespace(ns)  # forget its descriptor and entries
+            return self._delete_tree(trash)
+
+    def _delete_tree(self, name: str) -> int:
+        removed = 0
+        fd = fsdir.open_dir(name, self._root_fd)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
+            with os.scandir(fd) as it:
+                for de in it:
+                    if de.is_file(follow_symlinks=False) or de.is_symlink():
+                        with contextlib.suppress(OSError):
+                            os.unlink(de.name, dir_fd=fd)
+                            removed += de.name.endswith(".kv")
+        finally:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.rmdir(name, dir_fd=self._root_fd)
+        return removed
+
+    # -- quarantine -------------------------------------------------------------------
+    def quarantine(self, ns: str, sha1: str, why: str, *, inode: int | None = None) -> bool:
+        """Move a file proven corrupt aside (never delete evidence if it can be kept), drop
+        it from the index, count it. ``inode``: only if it is still that file (a sound
+        replacement written meanwhile by another process is left alone)."""
+        with self._mutex:
+            return self._quarantine(ns, sha1, why, inode=inode)
+
+    def _quarantine(self, ns: str, sha1: str, why: str, *, inode: int | None = None) -> bool:
+        self.rejected.append((ns, sha1, why))
+        entry = self.index.get(ns, sha1)
+        if entry is not None and (inode is None or entry.inode == inode):
+            self.index.remove(ns, sha1)
+        if self.readonly:
+            return False
+        state = self._namespace(ns)
+        if state is None:
+            return False
+        name = f"{sha1}.kv"
+        try:
+            st = os.stat(name, dir_fd=state.fd, follow_symlinks=False)
+        except OSError:
+            return False
+        if inode is not None and st.st_ino != inode:
+            return False
+        dest = f"{ns}-{sha1}-{int(self.clock())}.kv"
+        try:
+            qfd = fsdir.make_dir(QUARANTINE, self._root_fd)
+        except OSError as exc:
+            # A quarantine that is not a real directory (a symlink) is never used: delete.
+            log.warning("kvdisk: quarantine unusable (%s); deleting %s/%s instead", exc, ns, name)
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=state.fd)
+            return False
+        try:
+            try:
+                os.rename(name, dest, src_dir_fd=state.fd, dst_dir_fd=qfd)
+            except OSError as exc:
+                if exc.errno == errno.ENOENT:
+                    return False
+                log.warning("kvdisk: could not quarantine %s: %s; deleting it", sha1, exc)
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=state.fd)
+                return False
+            self.stats.quarantined += 1
+            with contextlib.suppress(OSError):
+                fd = os.open(dest + ".why", os.O_WRONLY | os.O_CREAT | os.O_EXCL | fsdir.NOFOLLOW,
+                             0o600, dir_fd=qfd)
+                with os.fdopen(fd, "w") as fh:
+                    fh.write(why[:4096] + "\n")
+            self._trim_quarantine(qfd)
+        finally:
+            os.close(qfd)
+        log.warning("kvdisk: quarantined %s/%s.kv: %s", ns, sha1, why)
+        return True
+
+    def _trim_quarantine(self, qfd: int) -> None:
+        """Keep the quarantine bounded: the oldest evidence goes first."""
+        files = []
+        with os.scandir(qfd) as it:
+            for de in it:
+                if de.name.endswith(".kv") and de.is_file(follow_symlinks=False):
+                    st = de.stat(follow_symlinks=False)
+                    files.append((st.st_mtime, de.name, st.st_size))
+        files.sort()
+        total = sum(size for _, _, size in files)
+        while files and (len(files) > QUARANTINE_MAX_FILES or total > self.quarantine_max_bytes):
+            _, name, size = files.pop(0)
+            for victim in (name, name + ".why"):
+                with contextlib.suppress(OSError):
+                    os.unlink(victim, dir_fd=qfd)
+            total -= size
+
+    def quarantined_files(self) -> list[str]:
+        try:
+            fd = fsdir.open_dir(QUARANTINE, self._root_fd)
+        except OSError:
+            return []
+        try:
+            with os.scandir(fd) as it:
+                return sorted(de.name for de in it
+                              if de.name.endswith(".kv") and de.is_file(follow_symlinks=False))
         finally:
             os.close(fd)
 
-    # -- quarantine -------------------------------------------------------------------
-    def quarantine(self, ns: str, sha1: str, why: str) -> None:
-        """Move a bad file aside (never delete evidence), drop it from the index, count it."""
+    def temp_files(self) -> list[tuple[str, str, bool]]:
+        """(namespace, name, abandoned) of every temp file."""
+        out = []
         with self._mutex:
-            self._quarantine(ns, sha1, why)
+            for ns in self.namespaces():
+                state = self._namespace(ns)
+                if state is None:
+                    continue
+                with os.scandir(state.fd) as it:
+                    for de in it:
+                        if de.name.startswith(fsdir.TMP_PREFIX):
+                            out.append((ns, de.name, fsdir.writer_gone(state.fd, de.name)))
+        return out
 
-    def _quarantine(self, ns: str, sha1: str, why: str) -> None:
-        self.rejected.append((ns, sha1, why))
-        if self.readonly:
-            self.index.remove(ns, sha1)
-            return
-        qdir = os.path.join(self.root, QUARANTINE)
-        os.makedirs(qdir, mode=0o700, exist_ok=True)
-        dest = os.path.join(qdir, f"{ns}-{sha1}-{int(self.clock())}.kv")
-        try:
-            os.replace(self.path(ns, sha1), dest)
-        except OSError as exc:
-            if exc.errno != errno.ENOENT:
-                log.warning("kvdisk: could not quarantine %s: %s", sha1, exc)
-                with contextlib.suppress(OSError):
-                    os.unlink(self.path(ns, sha1))
-            return
-        finally:
-            self.index.remove(ns, sha1)
-            self._ns.get(ns, _NsState()).names.discard(f"{sha1}.kv")
-        self.stats.quarantined += 1
-        with contextlib.suppress(OSError):
-            fd = os.open(dest + ".why", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(why + "\n")
-        log.warning("kvdisk: quarantined %s/%s.kv: %s", ns, sha1, why)
+    def remove_temp(self, ns: str, name: str) -> bool:
+        """Delete a temp file, only if its writer is gone."""
+        with self._mutex:
+            state = self._namespace(ns)
+            if state is None or not fsdir.writer_gone(state.fd, name):
+                return False
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=state.fd)
+                return True
+        return False
 
-    def quarantined_files(self) -> list[str]:
-        qdir = os.path.join(self.root, QUARANTINE)
-        if not os.path.isdir(qdir):
-            return []
-        return sorted(n for n in os.listdir(qdir) if n.endswith(".kv"))
+    def remove_file(self, ns: str, sha1: str) -> None:
+        """Delete one checkpoint (an orphan nothing can load)."""
+        with self._mutex:
+            self.index.remove(ns, sha1)
+            state = self._namespace(ns)
+            if state is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"{sha1}.kv", dir_fd=state.fd)
+

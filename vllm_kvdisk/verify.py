@@ -2,15 +2,18 @@
 
 Finds: files that do not parse or whose checksums fail (bad), files whose name is not the
 SHA1 of their text (misnamed), chains whose parent is missing or inconsistent (orphans),
-and temp files left by a crashed writer. With ``fix`` the bad and misnamed files go to the
-quarantine and orphans are deleted (nothing can ever load them). Pure of vLLM and torch.
+and temp files whose writer is gone. With ``fix`` the bad and misnamed files go to the
+quarantine, orphans are deleted (nothing can ever load them) and abandoned temp files
+removed; a live writer's temp file is reported, never touched. Files of another format
+version are listed, never changed. Pure of vLLM and torch.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 
 from vllm_kvdisk.format import FormatError, read_layer_into, read_text, read_tokens, read_tool_map
 from vllm_kvdisk.store import Store
@@ -20,7 +23,7 @@ from vllm_kvdisk.store import Store
 class Problem:
     ns: str
     sha1: str
-    kind: str  # bad | misnamed | orphan | tmp
+    kind: str  # bad | misnamed | orphan | tmp | unsupported
     detail: str
 
 
@@ -30,47 +33,64 @@ class Report:
     bytes_checked: int = 0
     problems: list[Problem] = field(default_factory=list)
     fixed: int = 0
+    writing: int = 0  # temp files of live writers (not problems)
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not any(p.kind != "unsupported" for p in self.problems)
 
 
-def check_file(store: Store, ns: str, sha1: str) -> str | None:
-    """Full read of one file; the reason it is unsound, or None."""
+def check_file(store: Store, ns: str, sha1: str) -> tuple[str, str] | None:
+    """Full read of one file; (kind, reason) if it is unsound, None if it is sound."""
     try:
         with store.open(ns, sha1) as (fd, meta, _):
             if hashlib.sha1(read_text(fd, meta)).hexdigest() != sha1:
-                return "misnamed: file name is not the SHA1 of its text"
+                return "misnamed", "file name is not the SHA1 of its text"
             read_tokens(fd, meta)
             buf = memoryview(bytearray(meta.offsets.layer_bytes))
             for layer in range(meta.payload.layout.num_layers):
                 read_layer_into(fd, meta, layer, buf)
             read_tool_map(fd, meta)
     except FormatError as exc:
-        return str(exc)
+        return "bad", str(exc)
     except OSError as exc:
-        return f"unreadable: {exc}"
+        return "unreadable", str(exc)
     return None
 
 
-def verify(store: Store) -> Report:
-    """Check everything; a writable store also repairs (quarantine, drop orphans and tmp)."""
+def verify(store: Store, *, jobs: int = 1,
+           progress: Callable[[int, int], None] | None = None) -> Report:
+    """Check everything (``jobs`` files at a time); a writable store also repairs.
+    ``progress(done, total)`` is called as files are checked."""
     fix = not store.readonly
+    temps = store.temp_files()  # before the scan: a writable scan removes abandoned ones
     store.scan()
     report = Report()
-    for ns, sha1, why in store.rejected:  # did not even parse: quarantined unless read-only
-        report.problems.append(Problem(ns, sha1, "bad", why))
-        report.fixed += 0 if store.readonly else 1
-    for entry in list(store.index.entries()):
-        report.checked += 1
-        report.bytes_checked += entry.size
-        why = check_file(store, entry.ns, entry.sha1)
-        if why is not None:
-            report.problems.append(Problem(entry.ns, entry.sha1, "bad", why))
-            if fix:
-                store.quarantine(entry.ns, entry.sha1, why)
-                report.fixed += 1
+    for ns, sha1, why in list(store.rejected):  # did not even parse
+        kind = "unsupported" if why.startswith("unsupported") else "bad"
+        report.problems.append(Problem(ns, sha1, kind, why))
+        report.fixed += 1 if (fix and kind == "bad") else 0
+    entries = list(store.index.entries())
+    total = len(entries)
+    if progress is not None:
+        progress(0, total)
+
+    def one(entry):  # noqa: ANN001, ANN202
+        return entry, check_file(store, entry.ns, entry.sha1)
+
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        for done, (entry, found) in enumerate(pool.map(one, entries), start=1):
+            report.checked += 1
+            report.bytes_checked += entry.size
+            if progress is not None:
+                progress(done, total)
+            if found is None:
+                continue
+            kind, why = found
+            report.problems.append(Problem(entry.ns, entry.sha1, kind, why))
+            if fix and kind != "unreadable":
+                if store.quarantine(entry.ns, entry.sha1, why, inode=entry.inode):
+                    report.fixed += 1
     for entry in list(store.index.entries()):
         if entry.parent and store.index.chain(entry.ns, entry.sha1) is None:
             report.problems.append(Problem(entry.ns, entry.sha1, "orphan",
@@ -79,14 +99,14 @@ def verify(store: Store) -> Report:
         # Deleting an orphan can orphan nothing new: its children are orphans already.
         for problem in report.problems:
             if problem.kind == "orphan" and store.index.get(problem.ns, problem.sha1):
-                store.index.remove(problem.ns, problem.sha1)
-                os.unlink(store.path(problem.ns, problem.sha1))
+                store.remove_file(problem.ns, problem.sha1)
                 report.fixed += 1
-    for ns in store.namespaces():
-        for name in os.listdir(store.ns_dir(ns)):
-            if name.startswith(".tmp-"):
-                report.problems.append(Problem(ns, name, "tmp", "unfinished write"))
-                if fix:
-                    os.unlink(os.path.join(store.ns_dir(ns), name))
-                    report.fixed += 1
+    for ns, name, abandoned in temps:
+        if not abandoned:
+            report.writing += 1
+            continue
+        report.problems.append(Problem(ns, name, "tmp", "unfinished write of a gone writer"))
+        if fix:
+            store.remove_temp(ns, name)  # (the scan may have removed it already)
+            report.fixed += 1
     return report

@@ -1,0 +1,199 @@
+"""Safe file-system primitives for a cache directory that others may share or tamper with.
+
+* Every path is opened relative to a directory descriptor with ``O_NOFOLLOW``: a symlink
+  planted as a ``.kv`` file, a namespace, the quarantine or the lock file is never
+  followed, so nothing is read from or written outside the root.
+* Writes go to a temp file in the same directory, locked (``flock``) by its writer while
+  it is written, fsynced, then renamed into place and the directory fsynced. A temp file
+  that nobody holds a lock on belongs to a dead writer and may be deleted at once; a live
+  writer's temp file is never touched.
+* The cross-process lock (``ROOT/.lock``) is taken with a timeout: a stuck network file
+  system costs one skipped save, never a stalled engine.
+
+Pure: standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import secrets
+import stat
+import time
+from typing import Iterator, Sequence
+
+NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+TMP_PREFIX = ".tmp-"
+TMP_GRACE_S = 10.0  # a temp file younger than this may be one whose writer has not locked it yet
+IOV_MAX = 1024
+
+
+class LockTimeout(OSError):
+    """The cache directory's lock could not be taken in time."""
+
+
+class UnsafeDirectory(OSError):
+    """The cache directory is writable by others, or owned by another user."""
+
+
+def check_root(path: str, *, allow_shared: bool) -> None:
+    """Refuse a root that another user could tamper with (unless explicitly allowed)."""
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirectory(errno.ENOTDIR, f"{path} is not a directory")
+    if allow_shared:
+        return
+    if st.st_uid != os.geteuid():
+        raise UnsafeDirectory(errno.EPERM, (
+            f"{path} is owned by uid {st.st_uid}, not by this process (uid {os.geteuid()}): "
+            "another user could plant or change checkpoints. Use a directory of your own, "
+            "or allow it explicitly (kv_disk_allow_shared_dir)"))
+    if st.st_mode & 0o022:
+        raise UnsafeDirectory(errno.EPERM, (
+            f"{path} is writable by its group or by everyone (mode {stat.S_IMODE(st.st_mode):o}): "
+            "another user could plant or change checkpoints. chmod go-w it, use a private "
+            "subdirectory, or allow it explicitly (kv_disk_allow_shared_dir)"))
+
+
+def open_dir(name: str, dir_fd: int | None = None) -> int:
+    """A descriptor of a real directory (never through a symlink)."""
+    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW, dir_fd=dir_fd)
+
+
+def make_dir(name: str, dir_fd: int) -> int:
+    """Create (0700) or open the real directory ``name`` inside ``dir_fd``."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, 0o700, dir_fd=dir_fd)
+    return open_dir(name, dir_fd)
+
+
+def same_dir(fd: int, name: str, parent_fd: int) -> bool:
+    """Whether ``fd`` is still the directory called ``name`` (not renamed or replaced)."""
+    try:
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    mine = os.fstat(fd)
+    return stat.S_ISDIR(st.st_mode) and (st.st_ino, st.st_dev) == (mine.st_ino, mine.st_dev)
+
+
+def writev_all(fd: int, buffers: Sequence) -> int:
+    total = 0
+    views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
+    head = 0
+    while head < len(views):
+        n = os.writev(fd, views[head:head + IOV_MAX])
+        total += n
+        while head < len(views) and n >= views[head].nbytes:
+            n -= views[head].nbytes
+            head += 1
+        if n:
+            views[head] = views[head][n:]
+    return total
+
+
+class TempFile:
+    """A locked temp file in ``dir_fd``: write, then ``commit`` it under its final name.
+
+    Whatever happens before ``commit`` succeeds, ``close`` removes the temp file."""
+
+    def __init__(self, dir_fd: int, final: str):
+        self.dir_fd = dir_fd
+        self.final = final
+        self.name = f"{TMP_PREFIX}{final}-{os.getpid()}-{secrets.token_hex(6)}"
+        self.fd = os.open(self.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600,
+                          dir_fd=dir_fd)
+        self.committed = False
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass  # no flock here (some network file systems): the age grace still applies
+
+    def write(self, buffers: Sequence) -> int:
+        written = writev_all(self.fd, buffers)
+        os.fsync(self.fd)
+        return written
+
+    def rewind(self) -> None:
+        """Drop what was written (e.g. after ENOSPC) and start again at offset 0."""
+        os.ftruncate(self.fd, 0)
+        os.lseek(self.fd, 0, os.SEEK_SET)
+
+    def inode(self) -> int:
+        return os.fstat(self.fd).st_ino
+
+    def commit(self) -> None:
+        os.replace(self.name, self.final, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+        self.committed = True
+        os.fsync(self.dir_fd)
+
+    def close(self) -> None:
+        if not self.committed:
+            with contextlib.suppress(OSError):
+                os.unlink(self.name, dir_fd=self.dir_fd)
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+    def __enter__(self) -> TempFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def write_atomic(dir_fd: int, name: str, buffers: Sequence) -> int:
+    """Write ``name`` in ``dir_fd`` atomically (temp file, fsync, rename, fsync dir)."""
+    with TempFile(dir_fd, name) as tmp:
+        written = tmp.write(buffers)
+        tmp.commit()
+    return written
+
+
+def writer_gone(dir_fd: int, name: str, now: float | None = None) -> bool:
+    """Whether the writer of a file it keeps locked while alive (a temp file, a tool-call
+    log) is gone: nobody holds the lock and the file is not brand new."""
+    try:
+        fd = os.open(name, os.O_RDONLY | NOFOLLOW, dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        if (now if now is not None else time.time()) - st.st_mtime < TMP_GRACE_S:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its writer is alive
+        except OSError:
+            pass  # no flock on this file system: the age alone decides
+        return True
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def locked(dir_fd: int, timeout_s: float, name: str = ".lock") -> Iterator[None]:
+    """Hold the exclusive cross-process lock file ``name`` of ``dir_fd``, waiting at most
+    ``timeout_s``; LockTimeout otherwise. Each call opens its own descriptor, so threads
+    of one process exclude each other too."""
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o600, dir_fd=dir_fd)
+    try:
+        deadline = time.monotonic() + timeout_s
+        delay = 0.001
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise LockTimeout(errno.ETIMEDOUT,
+                                      f"cache lock not taken within {timeout_s:g} s") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+        yield
+    finally:
+        os.close(fd)
