@@ -8,9 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from synth import FP, GRID, byte_table, save
+from synth import FP, prompt_of, save
 from vllm_kvdisk.cli import main
-from vllm_kvdisk.planner import Prompt
 from vllm_kvdisk.store import Store
 
 
@@ -20,7 +19,7 @@ def cache(tmp_path):
     ns = store.ensure_namespace(FP)
     rng = np.random.default_rng(0)
     text_ids = list(b"System: you are a helpful assistant.\n" * 12)
-    prompt = Prompt(byte_table(), GRID, text_ids)
+    prompt = prompt_of(text_ids)
     root, _ = save(store, ns, prompt, 112, rng)
     child, _ = save(store, ns, prompt, 240, rng, tool_map=[("call_1", '{"x": 1}')])
     return store, ns, root, child
@@ -74,8 +73,40 @@ def test_gc_and_stats(cache, capsys):
     code, out, _ = run(capsys, "stats", store.root, "--json")
     stats = json.loads(out)
     assert stats["files"] == 2 and stats["tokens_stored"] == 240 and stats["by_reason"] == {"cold": 2}
+    assert stats["namespaces"][0]["model"] == "tiny" and stats["namespaces"][0]["files"] == 2
+    code, out, _ = run(capsys, "stats", store.root)
+    assert "2 checkpoint(s)" in out and "KiB" in out and "tiny @ main" in out
+    code, out, _ = run(capsys, "gc", store.root, "--to-mb", "0", "--dry-run")
+    assert code == 0 and "would remove 2 file(s)" in out and len(os.listdir(store.ns_dir(ns))) == 3
     code, out, _ = run(capsys, "gc", store.root, "--to-mb", "0")
     assert code == 0 and "removed 2" in out  # the leaf first, then its parent
+
+
+def test_rm_removes_one_model_and_says_which(cache, capsys, tmp_path):
+    store, ns, root, child = cache
+    from vllm_kvdisk.keys import Fingerprint
+
+    other = store.ensure_namespace(Fingerprint("other-model", "r1", "float32", "x", 16, 1, 0))
+    code, out, err = run(capsys, "rm", store.root, "--model", "nope")
+    assert code == 2 and "no namespace" in err
+    code, out, _ = run(capsys, "rm", store.root, "--model", "tiny", "--dry-run")
+    assert code == 0 and "would remove 2 file(s)" in out and os.path.isdir(store.ns_dir(ns))
+    code, out, _ = run(capsys, "rm", store.root, "--model", "tiny", "--json")
+    assert json.loads(out)["namespaces"][0]["files"] == 2
+    assert not os.path.exists(store.ns_dir(ns)) and os.path.isdir(store.ns_dir(other))
+
+
+def test_human_output_and_version(cache, capsys):
+    store, ns, root, child = cache
+    code, out, _ = run(capsys, "ls", store.root)
+    assert f"namespace {ns}: tiny @ main" in out and "KiB" in out and "112..240" in out
+    code, out, _ = run(capsys, "inspect", store.path(ns, child.sha1))
+    assert "created" in out and "ago" in out and "{" not in out.split("text")[0]
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and "kvdisk" in capsys.readouterr().out
+    code, out, _ = run(capsys, "verify", store.root, "--jobs", "3")
+    assert code == 0 and "checked 2 files" in out
 
 
 def test_bad_input_is_a_clear_error_not_a_traceback(tmp_path, capsys):
@@ -92,4 +123,4 @@ def test_console_script_runs_without_vllm(cache):
     store = cache[0]
     out = subprocess.run([sys.executable, "-m", "vllm_kvdisk.cli", "stats", store.root],
                          capture_output=True, text=True)
-    assert out.returncode == 0 and "files" in out.stdout
+    assert out.returncode == 0 and "2 checkpoint(s)" in out.stdout

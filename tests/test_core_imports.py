@@ -3,7 +3,9 @@
 import subprocess
 import sys
 
-CORE = ["config", "keys", "format", "index", "planner", "store", "verify", "cli"]
+CORE = ["config", "keys", "format", "index", "saverules", "planner", "fsdir", "store",
+        "verify", "cli", "trace", "control", "toolmap", "identity", "diagnose", "policy",
+        "replay", "staging", "logs", "tokens"]
 
 
 def test_core_imports_without_vllm_or_torch():

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from engine import engine, generate, random_prompt, trace_lines
+from engine import engine, events, generate, random_prompt
 from vllm_kvdisk.store import Store
 from vllm_kvdisk.transfer import PageMover
 
@@ -26,7 +26,7 @@ def test_greedy_tokens_identical_no_cache_gpu_hit_disk_hit_and_after_restart(tin
         disk, disk_cached = generate(llm, prompt, max_tokens=24)
     # Grid 256/32 on 128-token blocks: the deepest checkpoint below 1500 is 1408.
     assert disk_cached == 1408
-    assert len(trace_lines(trace, "hit for")) >= 1
+    assert len(events(trace, "loaded")) >= 1
     with engine(tiny_model, kv, trace=trace) as llm:  # a restarted server: disk only
         restarted, restart_cached = generate(llm, prompt, max_tokens=24)
     assert restart_cached == 1408
@@ -35,13 +35,13 @@ def test_greedy_tokens_identical_no_cache_gpu_hit_disk_hit_and_after_restart(tin
 
 
 def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_path, monkeypatch):
-    import vllm_kvdisk.worker as worker_mod
+    import vllm_kvdisk.restore as restore_mod
 
     written: dict[int, np.ndarray] = {}  # block index in the request -> page bytes, layer 0
     loaded: list[tuple[int, bytes]] = []  # (layer, bytes the restore read into the blocks)
     targets: list[tuple[object, list[int]]] = []  # (mover, block ids) of each file restored
     gather, block_runs = PageMover.gather, PageMover.block_runs
-    read_layer_into = worker_mod.read_layer_into
+    read_layers_into = restore_mod.read_layers_into
 
     def spy_gather(self, block_ids, out):
         gather(self, block_ids, out)
@@ -53,13 +53,14 @@ def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_pat
         targets.append((self, list(block_ids)))
         return block_runs(self, block_ids)
 
-    def spy_read(fd, meta, layer, out):
-        read_layer_into(fd, meta, layer, out)
-        loaded.append((layer, b"".join(bytes(v) for v in out)))
+    def spy_read(fd, meta, first, outs):  # every layer of a fully used file in one call
+        read_layers_into(fd, meta, first, outs)
+        for i, out in enumerate(outs):
+            loaded.append((first + i, b"".join(bytes(v) for v in out)))
 
     monkeypatch.setattr(PageMover, "gather", spy_gather)
     monkeypatch.setattr(PageMover, "block_runs", spy_block_runs)
-    monkeypatch.setattr(worker_mod, "read_layer_into", spy_read)
+    monkeypatch.setattr(restore_mod, "read_layers_into", spy_read)
     prompt = random_prompt(1000, seed=2)  # one checkpoint: 896 tokens = 7 blocks
     with engine(tiny_model, str(tmp_path / "kv")) as llm:
         first, _ = generate(llm, prompt)

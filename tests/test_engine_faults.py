@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from engine import engine, generate, random_prompt, trace_lines
+from engine import engine, events, generate, random_prompt
 from vllm_kvdisk.store import Store
 from vllm_kvdisk.verify import verify
 
@@ -35,7 +35,7 @@ def test_corrupt_file_is_quarantined_and_the_answer_is_still_right(tiny_model, t
         tokens, _ = generate(llm, prompt)
         assert tokens == reference
         quarantined = [n for n in os.listdir(os.path.join(kv, "quarantine")) if n.endswith(".kv")]
-        assert len(quarantined) == 1 and trace_lines(trace, "quarantined")
+        assert len(quarantined) == 1 and events(trace, "quarantined")
         # The recomputed prefix was saved again: the file under that name is sound now.
         assert open(path, "rb").read() != bytes(raw) and verify(Store(kv, space_bytes=1 << 40, readonly=True)).ok
         llm.reset_prefix_cache()
@@ -71,8 +71,8 @@ def test_checkpoint_of_another_model_is_a_miss(tiny_model, other_model, tmp_path
     with engine(other_model, None, prefix_caching=False) as llm:
         reference, _ = generate(llm, prompt)
     assert cached == 0 and tokens == reference
-    misses = trace_lines(trace, "miss for")
-    assert misses and "another model" in misses[0]
+    misses = events(trace, "miss")
+    assert misses and "another model" in misses[0].detail
     assert len({os.path.dirname(p) for p in kv_files(kv)}) == 2  # one namespace per model
 
 

@@ -6,7 +6,7 @@ import time
 import pytest
 import requests
 
-from engine import Server, engine, generate, random_prompt, trace_lines
+from engine import Server, engine, events, generate, random_prompt
 
 pytestmark = pytest.mark.engine
 
@@ -18,10 +18,10 @@ def test_continued_checkpoints_during_generation_restore_exactly(tiny_model, tmp
         out, _ = generate(llm, prompt, max_tokens=600)  # computed tokens cross 1536, 2048
         # Saves are asynchronous: the last one may land just after the request returns.
         deadline = time.monotonic() + 30
-        while not trace_lines(trace, "saved reason=continued") and time.monotonic() < deadline:
+        while (not any(e.reason == "continued" for e in events(trace, "saved"))
+               and time.monotonic() < deadline):
             time.sleep(0.1)
-        saved = {line.split("reason=")[1].split()[0] + ":" + line.split("tokens=")[1].split()[0]
-                 for line in trace_lines(trace, "saved")}
+        saved = {f"{e.reason}:{e.tokens}" for e in events(trace, "saved")}
         # cold at 1408 (the prompt), continued at the grid position below each frontier.
         assert {"cold:1408", "continued:1920"} <= saved, saved
         resumed = prompt + out[:500]  # the client resends prompt + most of the answer
@@ -53,29 +53,30 @@ def test_sigterm_checkpoints_running_requests_and_the_next_server_resumes(tiny_m
     worker = threading.Thread(target=long_request)
     worker.start()
     deadline = time.monotonic() + 60
-    while not trace_lines(trace, "saved reason=cold") and time.monotonic() < deadline:
+    while (not any(e.reason == "cold" for e in events(trace, "saved"))
+           and time.monotonic() < deadline):
         time.sleep(0.2)
     # SIGTERM only once the request has computed past the next grid position (1152): a
     # shutdown save is made only where it adds something to the disk.
     while (server.metric("vllm:generation_tokens_total") < 300
            and time.monotonic() < deadline + 60):
         time.sleep(0.2)
-    assert server.stop() == 0
+    assert server.stop()["rc"] == 0
     worker.join(timeout=120)
-    shutdown = [line for line in trace_lines(trace, "saved reason=shutdown")]
+    shutdown = [e for e in events(trace, "saved") if e.reason == "shutdown"]
     assert shutdown, open(trace).read()
-    tokens = int(shutdown[0].split("tokens=")[1].split()[0])
+    tokens = max(e.tokens for e in shutdown)
     assert tokens > 896  # deeper than the prompt's own checkpoint: generated tokens too
     server = Server(tiny_model, kv, log, "--trace", trace)
     try:
-        lines_before = len(trace_lines(trace, "hit for"))
+        lines_before = len(events(trace, "hit"))
         # Resend the prompt alone: the cold checkpoint (896) hits, and the shutdown one is
         # on disk as a delta on it.
         r = requests.post(server.url + "/v1/completions", json={
             "model": tiny_model, "prompt": prompt_ids, "max_tokens": 4, "temperature": 0},
             timeout=120).json()
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 896
-        assert len(trace_lines(trace, "hit for")) > lines_before
+        assert len(events(trace, "hit")) > lines_before
     finally:
         server.stop()
 
@@ -83,15 +84,15 @@ def test_sigterm_checkpoints_running_requests_and_the_next_server_resumes(tiny_m
 def test_auto_policy_recomputes_when_the_store_is_slow(tiny_model, tmp_path, monkeypatch):
     """A throttled store (injected: each layer read sleeps) makes loading slower than this
     engine's prefill; after measuring one restore, `auto` recomputes instead."""
-    import vllm_kvdisk.worker as worker_mod
+    import vllm_kvdisk.restore as restore_mod
 
-    real_read = worker_mod.read_layer_into
+    real_read = restore_mod.read_layers_into
 
-    def slow_read(*args, **kwargs):
-        time.sleep(0.25)  # per layer read
-        return real_read(*args, **kwargs)
+    def slow_read(fd, meta, first, outs):
+        time.sleep(0.25 * len(outs))  # per layer read
+        return real_read(fd, meta, first, outs)
 
-    monkeypatch.setattr(worker_mod, "read_layer_into", slow_read)
+    monkeypatch.setattr(restore_mod, "read_layers_into", slow_read)
     kv, trace = str(tmp_path / "kv"), str(tmp_path / "trace.txt")
     first, second = random_prompt(1500, seed=40), random_prompt(1500, seed=41)
     with engine(tiny_model, kv, trace=trace, kv_disk_load_policy="auto") as llm:
@@ -102,7 +103,7 @@ def test_auto_policy_recomputes_when_the_store_is_slow(tiny_model, tmp_path, mon
         llm.reset_prefix_cache()
         tokens, cached_second = generate(llm, second)  # now it knows: recompute
     assert cached_first == 1408 and cached_second == 0
-    assert "cheaper to recompute: load" in trace_lines(trace, "miss for")[-1]
+    assert "cheaper to recompute: load" in events(trace, "miss")[-1].detail
     with engine(tiny_model, None, prefix_caching=False) as llm:
         reference, _ = generate(llm, second)
     assert tokens == reference

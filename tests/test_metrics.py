@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from engine import Server, trace_lines
+from engine import Server, events
 from test_server import disk_tokens, text
 
 pytestmark = pytest.mark.engine
@@ -40,7 +40,7 @@ def test_metrics_follow_a_chat(tiny_model, tmp_path):
         messages = [{"role": "system", "content": text(0, 900)},
                     {"role": "user", "content": text(900, 200)}]
         reply = server.chat(messages)
-        wait_for(lambda: m("vllm:kvdisk_saves_total") >= len(trace_lines(trace, "saved")) > 0)
+        wait_for(lambda: m("vllm:kvdisk_saves_total") >= len(events(trace, "saved")) > 0)
         assert m("vllm:kvdisk_tokens_loaded_total") == 0  # nothing on disk before turn 1
         assert m("vllm:kvdisk_lookups_total", result="miss", reason="no_checkpoint") == 1
         assert m("vllm:kvdisk_prompt_tokens_looked_up_total") == reply["usage"]["prompt_tokens"]
@@ -54,15 +54,14 @@ def test_metrics_follow_a_chat(tiny_model, tmp_path):
         assert m("vllm:kvdisk_lookups_total", result="hit") == 1
         loaded = m("vllm:kvdisk_tokens_loaded_total")
         assert loaded == cached == disk_tokens(server) - before > 0
-        traced = sum(int(re.search(r"loaded (\d+) tokens", line).group(1))
-                     for line in trace_lines(trace, "hit for") if "loaded" in line)
+        traced = sum(e.tokens for e in events(trace, "loaded"))
         assert loaded == traced
         assert m("vllm:kvdisk_load_seconds_count") == 1
         assert m("vllm:kvdisk_bytes_read_total") > 0
-        wait_for(lambda: m("vllm:kvdisk_saves_total") == len(trace_lines(trace, "saved")))
+        wait_for(lambda: m("vllm:kvdisk_saves_total") == len(events(trace, "saved")))
         for reason in ("cold", "continued", "evict", "shutdown"):
             assert m("vllm:kvdisk_saves_total", reason=reason) == len(
-                trace_lines(trace, f"saved reason={reason}"))
+                [e for e in events(trace, "saved") if e.reason == reason])
         files = [p for p in glob.glob(os.path.join(kv, "*", "*.kv")) if "quarantine" not in p]
         assert m("vllm:kvdisk_disk_files") == len(files)
         assert m("vllm:kvdisk_disk_bytes") == sum(os.path.getsize(p) for p in files)
@@ -74,7 +73,8 @@ def test_metrics_follow_a_chat(tiny_model, tmp_path):
     finally:
         server.stop()
     # Every metric the dashboard and the README use is one the server really exports.
-    dashboard = open(os.path.join(ROOT, "deploy", "grafana", "kvdisk-dashboard.json")).read()
+    dashboard = open(os.path.join(ROOT, "deploy", "helm", "vllm-kvdisk", "dashboards",
+                                  "kvdisk-dashboard.json")).read()
     readme = open(os.path.join(ROOT, "README.md")).read()
     used = set(re.findall(r"vllm:kvdisk_[a-z_]+", dashboard + readme))
     exported = {re.sub(r"_(bucket|count|sum|created)$", "", n) for n in names} | names

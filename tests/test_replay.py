@@ -8,14 +8,14 @@ forces a tool call whose JSON the template would re-serialise differently.
 import json
 import os
 import re
+import time
 
 import numpy as np
 import pytest
 import requests
 
-from engine import Server, shared_prefix, trace_lines
-from synth import FP, GRID, byte_table, save
-from vllm_kvdisk.planner import Prompt
+from engine import Server, engine, events, generate, shared_prefix
+from synth import FP, byte_table, prompt_of, save
 from vllm_kvdisk.replay import (MAP_KEY, DiskToolMaps, ToolMemory, ToolRecord, exact_text,
                                 load_tool_maps, make_signature, plan_replay, sentinel_messages,
                                 splice, strip_stop)
@@ -79,7 +79,7 @@ def test_only_unchanged_messages_with_known_ids_are_replayed():
     plan = plan_replay(messages, memory, sign=lambda r: None)
     assert [(r.index, r.ids) for r in plan.replays] == [(1, ["a"]), (7, ["d"])]
     assert (plan.from_memory, plan.from_disk, plan.missing, plan.changed) == (1, 1, 2, 3)
-    assert plan.summary() == "tool replay: 1 from memory, 1 from disk, 2 missing, 3 changed"
+    assert plan.summary() == "1 from memory, 1 from disk, 2 missing, 3 changed"
     assert plan.tool_map() == [["a", "A"], ["d", "D"]]
     # A disk record is compared once the server's parser has signed it.
     memory.put("e", ToolRecord("E", None, None, "disk", ("ns", "sha1")))
@@ -125,7 +125,7 @@ def test_tool_maps_are_rebuilt_from_the_ktm_sections_on_disk(tmp_path):
     table, rng = byte_table(), np.random.default_rng(0)
     ids = np.random.default_rng(1).integers(97, 123, 300)
     ids[100:110] = [ord(c) for c in "<call one>"]
-    prompt = Prompt(table, GRID, ids)
+    prompt = prompt_of(ids)
     save(store, ns, prompt, 112, rng, tool_map=[("one", "<call one>")], now=1_000)
     save(store, ns, prompt, 240, rng, tool_map=[("one", "<call one>"), ("two", "ne>")], now=2_000)
     with open(os.path.join(store.ns_dir(ns), "0" * 40 + ".kv"), "wb") as fh:
@@ -189,7 +189,7 @@ def sampled_ids(reply: dict) -> list[int]:
 
 
 def replay_lines(trace: str) -> list[str]:
-    return [line.split("KV cache: ")[1].strip() for line in trace_lines(trace, "tool replay")]
+    return [e.detail for e in events(trace, "replay")]
 
 
 @pytest.mark.engine
@@ -211,7 +211,7 @@ def test_replayed_tool_call_extends_the_cache_hit_and_survives_a_restart(tiny_mo
         off_cached = cached(server.chat(turn_two(messages, call), max_tokens=4, tools=TOOLS))
         assert off_cached <= off_shared
     finally:
-        assert server.stop() == 0
+        assert server.stop()["rc"] == 0
 
     kv = str(tmp_path / "kv")
     server = Server(tiny_model, kv, log, *TOOL_ARGS, "--trace", trace)
@@ -227,9 +227,9 @@ def test_replayed_tool_call_extends_the_cache_hit_and_survives_a_restart(tiny_mo
         on_cached = cached(turn2)
         assert on_cached == (len(p1) + len(sampled)) // BLOCK * BLOCK > off_cached
         assert replay_lines(trace) == [
-            "tool replay: 1 from memory, 0 from disk, 0 missing, 0 changed"]
+            "1 from memory, 0 from disk, 0 missing, 0 changed"]
     finally:
-        assert server.stop() == 0
+        assert server.stop()["rc"] == 0
     # The turn-2 checkpoint past the call holds it in its KTM section.
     assert (call["id"], CALL) in load_tool_maps(kv)
 
@@ -240,9 +240,59 @@ def test_replayed_tool_call_extends_the_cache_hit_and_survives_a_restart(tiny_mo
         next_grid = (len(p1) + len(sampled)) // 256 * 256 + 128
         assert restarted >= next_grid > len(p1) + len(sampled) > off_cached
         assert replay_lines(trace)[-1] == \
-            "tool replay: 0 from memory, 1 from disk, 0 missing, 0 changed"
+            "0 from memory, 1 from disk, 0 missing, 0 changed"
     finally:
-        assert server.stop() == 0
+        assert server.stop()["rc"] == 0
+
+
+# A call long enough that the turn's tail checkpoint (trimmed by 32 tokens) ends past it.
+CITY = "Rome " + " ".join([w for w in WORDS[1000:3000] if w.isalpha()][:60])
+LONG_CALL = ('<tool_call>{"arguments":{"unit":"c","city":"' + CITY + '"},"name":"get_weather"}'
+             '</tool_call>')
+FORCE_LONG = dict(FORCE, structured_outputs={"regex": re.escape(LONG_CALL)})
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("how", ["sigterm", "kill"])
+def test_a_call_returned_just_before_a_restart_replays_after_it(tiny_model, tmp_path, how):
+    """The server returns a tool call, the tool runs, the pod is redeployed: the next turn
+    comes to a new server. Before, the (id -> sampled text) pair reached disk only inside
+    the next request's checkpoint, so the turn was re-rendered and the hit fell back to
+    before the call. Now the pair is durable when the response leaves."""
+    kv, trace, log = str(tmp_path / "kv"), str(tmp_path / "trace.txt"), str(tmp_path / "log")
+    server = Server(tiny_model, kv, log, *TOOL_ARGS, "--trace", trace)
+    try:
+        messages = first_turn(server)
+        p1 = tokenize(server, messages)
+        reply = server.chat(messages, max_tokens=600, **FORCE_LONG)
+        call = reply["choices"][0]["message"]["tool_calls"][0]
+        sampled = sampled_ids(reply)
+        assert len(sampled) > 100
+        if how == "sigterm":
+            assert server.stop()["rc"] == 0
+        else:  # kill -9 of every process of the server right after the response
+            time.sleep(1.0)
+            server.stop(kill=True)
+    finally:
+        server.stop()
+    server = Server(tiny_model, kv, log, *TOOL_ARGS, "--trace", trace)
+    try:
+        prompt2 = tokenize(server, turn_two(messages, call))
+        assert prompt2[:len(p1) + len(sampled)] == p1 + sampled  # replayed token for token
+        turn2 = server.chat(turn_two(messages, call), max_tokens=4, tools=TOOLS,
+                            return_token_ids=True)
+        assert replay_lines(trace)[-1] == "0 from memory, 1 from disk, 0 missing, 0 changed"
+        if how == "sigterm":  # the evict tail landed before the exit: the hit reaches into
+            # the call, up to the block floor of prompt + call - trim
+            tail = (len(p1) + len(sampled) - 32) // BLOCK * BLOCK
+            assert cached(turn2) >= tail > len(p1)
+        else:  # the tail may have died with the process; the prompt's own checkpoint holds
+            assert cached(turn2) >= (len(p1) - 32) // BLOCK * BLOCK
+    finally:
+        server.stop()
+    with engine(tiny_model, None, prefix_caching=False) as llm:  # exact: as without a cache
+        reference, _ = generate(llm, prompt2, max_tokens=4)
+    assert turn2["choices"][0]["token_ids"] == reference
 
 
 @pytest.mark.engine
@@ -295,14 +345,14 @@ def test_streamed_calls_replay_and_changed_arguments_render_as_usual(tiny_model,
         server.chat(turn_two(messages, changed), max_tokens=2, tools=TOOLS)
         server.chat(turn_two(messages, unknown), max_tokens=2, tools=TOOLS)
         assert replay_lines(trace) == [
-            "tool replay: 0 from memory, 0 from disk, 0 missing, 1 changed",
-            "tool replay: 0 from memory, 0 from disk, 1 missing, 0 changed"]
+            "0 from memory, 0 from disk, 0 missing, 1 changed",
+            "0 from memory, 0 from disk, 1 missing, 0 changed"]
     finally:
-        assert server.stop() == 0
+        assert server.stop()["rc"] == 0
 
 
 def test_map_key_is_the_one_the_connector_reads():
-    from vllm_kvdisk.scheduler import tool_entries
+    from vllm_kvdisk.control import tool_entries
 
     class Request:
         kv_transfer_params = {"client": 1, MAP_KEY: [["id-1", "<call>"], ["id-2", "absent"]]}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from engine import engine, generate, random_prompt, trace_lines
+from engine import engine, events, generate, random_prompt, wait_events
 from vllm_kvdisk.tokens import table_from_tokenizer
 
 pytestmark = pytest.mark.engine
@@ -32,41 +32,42 @@ def test_each_decision_is_traced_with_its_reason(tiny_model, tmp_path):
     a = random_prompt(1500, seed=20)
     with engine(tiny_model, kv, trace=trace) as llm:
         generate(llm, a[:100])
-        assert "reason: below min tokens" in trace_lines(trace, "miss for")[-1]
+        assert "below min tokens" in events(trace, "miss")[-1].detail
 
         generate(llm, a[:700])
-        assert "reason: no checkpoint" in trace_lines(trace, "miss for")[-1]
-        assert re.search(r"saved reason=cold sha1=[0-9a-f]{40} tokens=640 bytes=\d+ ms=\d+",
-                         trace_lines(trace, "saved")[-1])
+        assert "no checkpoint" in events(trace, "miss")[-1].detail
+        saved = wait_events(trace, "saved")[-1]
+        assert (saved.reason, saved.tokens) == ("cold", 640) and saved.bytes > 0
 
         generate(llm, a)  # the device cache holds 640; a delta checkpoint at 1408 follows
-        assert "device hit" in trace_lines(trace, "device hit")[-1]
+        assert events(trace, "device_hit")
 
         llm.reset_prefix_cache()
-        b = a[:1000] + random_prompt(500, seed=21)
-        generate(llm, b)
-        line = [x for x in trace_lines(trace, "hit for") if "restoring" in x][-1]
-        assert "restoring 640 tokens from 1 file(s)" in line
-        at = int(re.search(r"prefix mismatch at byte (\d+)", line).group(1))
+        b = a[:1000] + random_prompt(500, seed=21)  # leaves a's 1408 file at token 1000
+        _, cached = generate(llm, b)
+        assert cached == 896  # the last whole block before the divergence, inside the file
+        hit = wait_events(trace, "hit")[-1]
+        assert (hit.tokens, hit.files) == (896, 2) and "used up to token 896 of 1408" in hit.detail
+        at = int(re.search(r"prefix mismatch at byte (\d+)", hit.detail).group(1))
         assert len(table.render(np.array(a[:1000]))[0]) <= at < len(table.render(np.array(a[:1408]))[0])
 
         llm.reset_prefix_cache()
         c, split_at = same_text_other_tokens(table, a, 700, 1400)
         assert table.render(np.array(c))[0] == table.render(np.array(a))[0]
         tokens_c, cached = generate(llm, c)
-        assert cached == 640  # the 1408 checkpoint has the same text but other tokens
-        line = [x for x in trace_lines(trace, "hit for") if "restoring" in x][-1]
-        assert f"text equal but tokens differ at token {split_at}" in line
-        assert re.search(r"loaded 640 tokens from 1 file\(s\), \d+ ms", open(trace).read())
+        # The 1408 checkpoint has the same text but other tokens from split_at on.
+        assert cached == max(640, split_at - split_at % 128)
+        hit = wait_events(trace, "hit", 2)[-1]
+        assert f"text equal but tokens differ at token {split_at}" in hit.detail
+        assert all(e.tokens > 0 and e.ms >= 0 for e in events(trace, "loaded"))
 
 
 def test_evictions_are_traced(tiny_model, tmp_path):
     kv, trace = str(tmp_path / "kv"), str(tmp_path / "trace.txt")
-    with engine(tiny_model, kv, trace=trace, kv_disk_space_mb=6) as llm:
+    with engine(tiny_model, kv, trace=trace, kv_disk_space_mb=6, kv_disk_min_free_mb=0) as llm:
         for seed in range(3):  # 640-token checkpoints of ~2.6 MB each
             generate(llm, random_prompt(700, seed=30 + seed))
-    evicted = trace_lines(trace, "evicted")
-    saved = trace_lines(trace, "saved")
+    evicted = events(trace, "evicted")
+    saved = events(trace, "saved")
     assert len(saved) == 3 and len(evicted) == 1
-    first = saved[0].split("sha1=")[1].split()[0]
-    assert f"evicted sha1={first}" in evicted[0]  # the oldest leaf goes first
+    assert evicted[0].sha1 == saved[0].sha1  # the oldest leaf goes first

@@ -1,49 +1,88 @@
-"""Typed, frozen configuration of the disk KV cache.
+"""Typed, frozen configuration of the disk KV cache: the one list of every knob.
 
-One dataclass, built from a plain mapping (vLLM's ``kv_connector_extra_config`` or parsed
-command-line flags) by :func:`load_config`, which rejects unknown keys and bad values with a
-message naming the key. Pure: imports only the standard library.
+Each field of :class:`KVDiskConfig` carries its help text and minimum; from it derive
+the command-line flag (``--`` + the name in kebab case: ds4-server's flag names), the
+environment variable (``KVDISK_`` + the name without its ``kv_disk_``/``kv_`` prefix, in
+capitals: ``KVDISK_DIR``, ``KVDISK_SPACE_MB``, ``KVDISK_CACHE_MIN_TOKENS``), the validation,
+``vllm-kvdisk serve --help`` and the README's table (a test checks it).
+
+Precedence, highest first: a key in ``kv_connector_extra_config`` (what ``vllm-kvdisk
+serve`` builds from its flags), a ``KVDISK_*`` environment variable, the default.
+:func:`load_config` rejects unknown keys, unknown ``KVDISK_*`` variables and bad values
+with a message naming the key. Pure: imports only the standard library.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 LOAD_POLICIES = ("always", "auto")
+ENV_PREFIX = "KVDISK_"
 
 
 class ConfigError(ValueError):
     """A configuration key or value a user gave is not acceptable."""
 
 
+def knob(default: Any, help: str, *, minimum: int | None = None,
+         choices: tuple[str, ...] | None = None, unit: str = "") -> Any:
+    return field(default=default, metadata={"help": help, "minimum": minimum,
+                                            "choices": choices, "unit": unit})
+
+
 @dataclass(frozen=True, slots=True)
 class KVDiskConfig:
     """Every knob of the disk cache. Names follow ds4-server's flags in snake_case."""
 
-    kv_disk_dir: str
-    kv_disk_space_mb: int = 8192
-    # Never let the cache push the file system's free space below this.
-    kv_disk_min_free_mb: int = 1024
-    kv_cache_min_tokens: int = 512
-    kv_cache_cold_max_tokens: int = 30000
-    kv_cache_continued_interval_tokens: int = 10000
-    kv_cache_boundary_trim_tokens: int = 32
-    kv_cache_boundary_align_tokens: int = 2048
-    tool_memory_max_ids: int = 100000
-    kv_cache_reject_different_quant: bool = False
-    trace: str | None = None
-    kv_disk_io_threads: int = 4
-    # Host staging buffers kept for reuse between copies (fresh memory is slow to touch).
-    kv_disk_staging_mb: int = 2048
-    kv_disk_load_policy: str = "auto"
-    # Python's GIL switch interval in the worker process, in microseconds (0: leave it).
-    # Every system call an I/O thread makes ends in a wait for the GIL, which a busy engine
-    # thread keeps up to this long (Python's default: 5000). Measured in a CPU engine: a
-    # 24 MB restore took 30-65 ms at 5000 us and 3-9 ms at 500 us.
-    kv_disk_gil_switch_us: int = 500
+    kv_disk_dir: str = field(metadata={"help": "directory that holds the .kv files (required)"})
+    kv_disk_space_mb: int = knob(8192, "disk budget: checkpoints are evicted (leaves first) "
+                                 "to stay below it", minimum=1, unit="MiB")
+    kv_disk_min_free_mb: int = knob(1024, "never let the cache push the file system's free "
+                                    "space below this; a save that cannot fit is skipped",
+                                    minimum=0, unit="MiB")
+    kv_cache_min_tokens: int = knob(512, "no checkpoint shorter than this", minimum=1)
+    kv_cache_cold_max_tokens: int = knob(30000, "cold checkpoints (after a prompt's prefill) "
+                                         "only up to this length", minimum=1)
+    kv_cache_continued_interval_tokens: int = knob(
+        10000, "a continued checkpoint each time computed tokens cross a multiple of this",
+        minimum=1)
+    kv_cache_boundary_trim_tokens: int = knob(
+        32, "grid positions are k*align - trim and tails n - trim, rounded down to the KV "
+        "block size", minimum=0)
+    kv_cache_boundary_align_tokens: int = knob(2048, "checkpoint grid step", minimum=1)
+    kv_cache_tail_checkpoints: bool = knob(
+        True, "also save at the block floor of n - trim (the prompt for cold, prompt + "
+        "generated for evict and shutdown) as a delta on the grid; off: exactly ds4's grid")
+    tool_memory_max_ids: int = knob(100000, "size of the tool-call replay map (LRU; 0 turns "
+                                    "replay off)", minimum=0)
+    kv_cache_reject_different_quant: bool = knob(
+        False, "accepted for ds4 compatibility: a checkpoint of another KV dtype is always a "
+        "miss")
+    trace: str | None = knob(None, "trace file: one line per hit, miss (with the reason), "
+                             "save, eviction, quarantine")
+    trace_max_mb: int = knob(64, "the trace file is rotated to FILE.1 past this size",
+                             minimum=1, unit="MiB")
+    trace_to_log: bool = knob(False, "also write every trace line to vLLM's log at INFO")
+    kv_disk_io_threads: int = knob(4, "reader/writer threads per worker", minimum=1)
+    kv_disk_staging_mb: int = knob(2048, "host staging buffers kept for reuse between copies "
+                                   "(fresh memory is slow to touch)", minimum=0, unit="MiB")
+    kv_disk_gil_switch_us: int = knob(
+        500, "Python's GIL switch interval in the worker process (0 leaves Python's 5000): "
+        "each system call of an I/O thread ends in a wait for the GIL that a busy engine "
+        "loop holds up to this long", minimum=0, unit="us")
+    kv_disk_load_policy: str = knob(
+        "auto", "auto: restore only what is cheaper to read than to recompute, from running "
+        "estimates of this engine's load bandwidth and prefill speed; always: restore every "
+        "hit", choices=LOAD_POLICIES)
+    kv_disk_lock_timeout_s: int = knob(10, "longest wait for the cache directory's lock (a "
+                                       "stuck network volume then skips a save)", minimum=1,
+                                       unit="s")
+    kv_disk_allow_shared_dir: bool = knob(
+        False, "accept a cache directory writable by its group/everyone or owned by another "
+        "user (anyone who can write there can plant checkpoints)")
 
     @property
     def space_bytes(self) -> int:
@@ -54,25 +93,30 @@ class KVDiskConfig:
         return self.kv_disk_min_free_mb * 1024 * 1024
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(KVDiskConfig)}
-_MINIMUM = {
-    "kv_disk_space_mb": 1,
-    "kv_disk_min_free_mb": 0,
-    "kv_cache_min_tokens": 1,
-    "kv_cache_cold_max_tokens": 1,
-    "kv_cache_continued_interval_tokens": 1,
-    "kv_cache_boundary_trim_tokens": 0,
-    "kv_cache_boundary_align_tokens": 1,
-    "tool_memory_max_ids": 0,
-    "kv_disk_io_threads": 1,
-    "kv_disk_staging_mb": 0,
-    "kv_disk_gil_switch_us": 0,
-}
+FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(KVDiskConfig)}
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_of(name: str) -> str:
+    short = name.removeprefix("kv_disk_").removeprefix("kv_")
+    return ENV_PREFIX + short.upper()
+
+
+ENV_NAMES = {env_of(name): name for name in FIELDS}
+
+
+def default_of(name: str) -> Any:
+    f = FIELDS[name]
+    return None if f.default is dataclasses.MISSING else f.default
 
 
 def _coerce(name: str, value: Any) -> Any:
     """Turn one user value into the field's type, or raise ConfigError naming the key."""
-    kind = _FIELDS[name].type
+    f = FIELDS[name]
+    kind = f.type
     if kind == "bool":
         if isinstance(value, bool):
             return value
@@ -87,36 +131,74 @@ def _coerce(name: str, value: Any) -> Any:
             number = int(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
-        low = _MINIMUM.get(name, 0)
-        if number < low:
+        low = f.metadata.get("minimum")
+        if low is not None and number < low:
             raise ConfigError(f"{name}: must be >= {low}, got {number}")
         return number
     if value is None and kind == "str | None":
         return None
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{name}: expected a non-empty string, got {value!r}")
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{name}: expected one of {', '.join(choices)}, got {value!r}")
     return value
 
 
-def load_config(values: Mapping[str, Any]) -> KVDiskConfig:
-    """Build the config from a mapping; unknown keys and bad values raise ConfigError."""
-    unknown = sorted(set(values) - set(_FIELDS))
+def from_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """Config keys given as ``KVDISK_*`` variables; an unknown one is an error (a typo
+    would otherwise be silently ignored)."""
+    out = {}
+    for var, value in environ.items():
+        if not var.startswith(ENV_PREFIX):
+            continue
+        if var not in ENV_NAMES:
+            raise ConfigError(f"unknown environment variable {var}; known: "
+                              f"{', '.join(sorted(ENV_NAMES))}")
+        out[ENV_NAMES[var]] = value
+    return out
+
+
+def load_config(values: Mapping[str, Any], environ: Mapping[str, str] | None = None
+                ) -> KVDiskConfig:
+    """Build the config from a mapping, then ``KVDISK_*`` variables of ``environ`` for keys
+    the mapping lacks; unknown keys and bad values raise ConfigError."""
+    unknown = sorted(set(values) - set(FIELDS))
     if unknown:
-        known = ", ".join(sorted(_FIELDS))
+        known = ", ".join(sorted(FIELDS))
         raise ConfigError(f"unknown kvdisk config key(s) {', '.join(unknown)}; known keys: {known}")
-    if "kv_disk_dir" not in values:
-        raise ConfigError("kv_disk_dir is required: the directory that holds the .kv files")
-    kwargs = {name: _coerce(name, value) for name, value in values.items()}
+    merged = {**from_environment(environ or {}), **values}
+    if "kv_disk_dir" not in merged:
+        raise ConfigError("kv_disk_dir is required (--kv-disk-dir or KVDISK_DIR): the "
+                          "directory that holds the .kv files")
+    kwargs = {name: _coerce(name, value) for name, value in merged.items()}
     kwargs["kv_disk_dir"] = os.path.abspath(os.path.expanduser(kwargs["kv_disk_dir"]))
     config = KVDiskConfig(**kwargs)
-    if config.kv_disk_load_policy not in LOAD_POLICIES:
-        raise ConfigError(
-            f"kv_disk_load_policy: expected one of {', '.join(LOAD_POLICIES)}, "
-            f"got {config.kv_disk_load_policy!r}"
-        )
     if config.kv_cache_boundary_trim_tokens >= config.kv_cache_boundary_align_tokens:
         raise ConfigError(
             "kv_cache_boundary_trim_tokens must be smaller than kv_cache_boundary_align_tokens "
             f"({config.kv_cache_boundary_trim_tokens} >= {config.kv_cache_boundary_align_tokens})"
         )
     return config
+
+
+def as_dict(config: KVDiskConfig) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in FIELDS}
+
+
+def markdown_table() -> str:
+    """The README's table of knobs (a test checks the README carries exactly this)."""
+    rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
+    for name, f in FIELDS.items():
+        default = default_of(name)
+        if name == "kv_disk_dir":
+            shown = "required"
+        elif isinstance(default, bool):
+            shown = "on" if default else "off"
+        else:
+            shown = "none" if default is None else f"{default}"
+        unit = f.metadata.get("unit") or ""
+        shown += f" {unit}" if unit and default is not None and not isinstance(default, bool) else ""
+        flag = flag_of(name) + (" / --no-…" if f.type == "bool" else "")
+        rows.append(f"| `{flag}` | `{env_of(name)}` | {shown} | {f.metadata['help']} |")
+    return "\n".join(rows)

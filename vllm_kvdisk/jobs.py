@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata,
                                                                KVConnectorWorkerMetadata)
 
-from vllm_kvdisk.format import Reason
 from vllm_kvdisk.index import Entry
+from vllm_kvdisk.planner import SavePlan
 
 
 @dataclass(slots=True)
@@ -27,9 +27,13 @@ class Scope:
 
 @dataclass(slots=True)
 class LoadFile:
+    """One file of a chain and the blocks it contributes, ``[start, upto)``."""
+
     sha1: str
-    tokens: int
-    parent_tokens: int
+    start: int  # the file's parent_tokens
+    upto: int  # restore its blocks up to here (its end, or where the prompt leaves it)
+    tokens: int  # the file's own end (checked against its header)
+    inode: int = 0  # the file the index saw (0: unknown)
 
 
 @dataclass(slots=True)
@@ -39,17 +43,15 @@ class LoadJob:
     files: list[LoadFile]
     start_block: int  # first block index (in the request) to fill; earlier ones are local
     block_ids: list[int]  # engine block ids for request blocks [start_block, ...)
+    token_ids: bytes = b""  # u32 LE ids of the prompt up to the hit: every file must hold them
+    fail: str | None = None  # set when the scheduler could not plan it: report every block bad
 
 
 @dataclass(slots=True)
 class SaveJob:
     req_id: str
     scope: Scope
-    sha1: str
-    tokens: int
-    parent: str | None
-    parent_tokens: int
-    reason: Reason
+    plan: SavePlan
     block_ids: list[int]  # engine block ids of the blocks this file owns
     text: bytes
     token_ids: bytes  # u32 LE ids of the whole prefix
@@ -70,7 +72,7 @@ class StepMeta(KVConnectorMetadata):
 class WorkerReport(KVConnectorWorkerMetadata):
     written: list[Entry] = field(default_factory=list)  # index entries of files that landed
     failed_saves: list[tuple[str, str]] = field(default_factory=list)  # (ns, sha1)
-    removed: list[tuple[str, str]] = field(default_factory=list)  # evicted or quarantined
+    removed: list[tuple[str, str]] = field(default_factory=list)  # evicted, quarantined, stale
     loads: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds)
     steps: list[tuple[int, float]] = field(default_factory=list)  # (tokens, forward seconds)
 

@@ -8,16 +8,22 @@ Counters travel as deltas, latencies as lists of observations, gauges as latest 
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
                                                                   KVConnectorStats)
 
+from vllm_kvdisk.logs import get_logger
+
+log = get_logger(__name__)
+T = TypeVar("T")
+
 COUNTERS = ("tokens_looked_up", "tokens_loaded", "bytes_written", "bytes_read",
             "save_failures", "evictions", "quarantined")
-LABELLED = ("lookups", "saves")  # dicts of label value -> count
+LABELLED = ("lookups", "saves", "saves_skipped", "errors")  # dicts of label value -> count
 SERIES = ("load_seconds", "save_seconds")
 GAUGES = ("disk_bytes", "disk_files", "disk_budget_bytes", "pending_writes")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -108,6 +114,25 @@ class StatsRecorder:
         return None if stats.is_empty() else stats
 
 
+def guarded(hook: str, default: Callable[[], T]) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Run a connector hook; on any exception count it (``errors{hook}`` on the object's
+    ``stats``), log it, and return ``default()``: the engine never dies of the cache."""
+
+    def wrap(method: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(method)
+        def run(self: Any, *args: Any, **kwargs: Any) -> T:
+            try:
+                return method(self, *args, **kwargs)
+            except Exception:  # noqa: BLE001
+                self.stats.count("errors", hook)
+                log.exception("kvdisk: %s failed; serving without the disk cache", hook)
+                return default()
+
+        return run
+
+    return wrap
+
+
 class KVDiskPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]):
@@ -125,6 +150,11 @@ class KVDiskPromMetrics(KVConnectorPromMetrics):
         metric(c, "tokens_loaded", "Prompt tokens restored from disk instead of recomputed.")
         metric(c, "saves", "Checkpoints written, by save reason.", ("reason",))
         metric(c, "save_failures", "Checkpoint writes that failed (the prefix stays uncached).")
+        metric(c, "saves_skipped", "Checkpoints not written for no fault: no_space (the budget "
+               "or free-space watermark cannot be met), lock_timeout, parent_gone, "
+               "namespace_removed.", ("reason",))
+        metric(c, "errors", "Exceptions a connector hook caught (the request was served "
+               "without the cache).", ("hook",))
         metric(c, "bytes_written", "Bytes of checkpoint files written.")
         metric(c, "bytes_read", "Bytes of checkpoint files read for restores.")
         metric(c, "evictions", "Checkpoint files evicted for the budget or the free-space "
@@ -145,7 +175,7 @@ class KVDiskPromMetrics(KVConnectorPromMetrics):
         # Export every series from the start (at 0): alerts and rate() need them to exist.
         for labels in per_engine_labelvalues.values():
             for name, m in self._m.items():
-                if name not in ("lookups", "saves"):
+                if name not in LABELLED:
                     m.labels(*labels)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -160,8 +190,9 @@ class KVDiskPromMetrics(KVConnectorPromMetrics):
                           ("evictions", "evictions"), ("quarantined", "quarantined_files")):
             if d.get(name):
                 m[key].labels(*labels).inc(d[name])
-        for reason, count in d.get("saves", {}).items():
-            m["saves"].labels(*labels, reason).inc(count)
+        for name in ("saves", "saves_skipped", "errors"):
+            for label, count in d.get(name, {}).items():
+                m[name].labels(*labels, label).inc(count)
         for name in SERIES:
             for seconds in d.get(name, []):
                 m[name].labels(*labels).observe(seconds)
@@ -173,7 +204,8 @@ class KVDiskPromMetrics(KVConnectorPromMetrics):
 METRIC_NAMES = (
     "vllm:kvdisk_lookups_total", "vllm:kvdisk_prompt_tokens_looked_up_total",
     "vllm:kvdisk_tokens_loaded_total", "vllm:kvdisk_saves_total",
-    "vllm:kvdisk_save_failures_total", "vllm:kvdisk_bytes_written_total",
+    "vllm:kvdisk_save_failures_total", "vllm:kvdisk_saves_skipped_total",
+    "vllm:kvdisk_errors_total", "vllm:kvdisk_bytes_written_total",
     "vllm:kvdisk_bytes_read_total", "vllm:kvdisk_evictions_total",
     "vllm:kvdisk_quarantined_files_total", "vllm:kvdisk_load_seconds",
     "vllm:kvdisk_save_seconds", "vllm:kvdisk_disk_bytes", "vllm:kvdisk_disk_files",

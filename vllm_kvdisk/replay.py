@@ -30,7 +30,6 @@ matched) falls back to tokenizing its exact text; nothing here raises out of a l
 from __future__ import annotations
 
 import json
-import logging
 import threading
 import uuid
 from collections import OrderedDict
@@ -40,13 +39,14 @@ from typing import Any
 
 import numpy as np
 
+from vllm_kvdisk.control import MAP_KEY  # noqa: F401 - the key the connector reads
 from vllm_kvdisk.format import FormatError, read_tokens, read_tool_map
 from vllm_kvdisk.keys import TokenTable
 from vllm_kvdisk.store import Store
+from vllm_kvdisk.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
-MAP_KEY = "kvdisk_tool_map"  # the kv_transfer_params key the connector reads
 
 
 # -- what a message says ------------------------------------------------------------------
@@ -159,6 +159,15 @@ class ToolMemory:
                 self._map.move_to_end(tool_id)
             return record
 
+    def records(self) -> list[tuple[list[str], ToolRecord]]:
+        """Each record with its ids, least recently used first."""
+        with self._lock:
+            items = list(self._map.items())
+        grouped: dict[int, tuple[list[str], ToolRecord]] = {}
+        for tid, record in items:
+            grouped.setdefault(id(record), ([], record))[0].append(tid)
+        return list(grouped.values())
+
 
 def strip_stop(token_ids: Sequence[int], special_ids: Iterable[int]) -> list[int]:
     """The sampled ids without trailing special tokens (EOS, end of turn): the template
@@ -205,9 +214,9 @@ class Plan:
 
     def summary(self) -> str:
         if self.fallback:
-            return (f"tool replay: none (rendered as usual: {self.fallback}); "
+            return (f"none (rendered as usual: {self.fallback}); "
                     f"{self.missing} missing, {self.changed} changed")
-        return (f"tool replay: {self.from_memory} from memory, {self.from_disk} from disk, "
+        return (f"{self.from_memory} from memory, {self.from_disk} from disk, "
                 f"{self.missing} missing, {self.changed} changed")
 
     def tool_map(self) -> list[list[str]]:
@@ -302,6 +311,7 @@ class DiskToolMaps:
             fresh = [e for e in list(self.store.index.entries())
                      if (e.ns, e.sha1) not in self._seen]
             fresh.sort(key=lambda e: (e.last_used, e.created, e.sha1))
+            self._seen &= set(self.store.index.keys())  # bounded by the files there are
             out = []
             for entry in fresh:
                 self._seen.add((entry.ns, entry.sha1))

@@ -34,17 +34,20 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
-import logging
+import os
 import threading
 import time
 from importlib.metadata import entry_points
 from typing import Any
 
-from vllm_kvdisk.replay import (MAP_KEY, DiskToolMaps, Plan, Signature, ToolMemory, ToolRecord,
+from vllm_kvdisk.control import MAP_KEY
+from vllm_kvdisk.replay import (DiskToolMaps, Plan, Signature, ToolMemory, ToolRecord,
                                 exact_text, make_signature, message_tool_ids, plan_replay,
                                 sentinel_messages, splice, strip_stop)
+from vllm_kvdisk.toolmap import ToolCall, ToolLog, newest_calls
+from vllm_kvdisk.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 PLUGIN_NAME = "kvdisk_replay"
 GENERAL_PLUGIN_NAME = "kvdisk"
@@ -113,7 +116,7 @@ def kvdisk_config(vllm_config: Any) -> Any:
     if transfer is None or (transfer.kv_connector != "kvdisk" and getattr(
             transfer, "kv_connector_module_path", None) != "vllm_kvdisk.connector"):
         return None
-    return load_config(dict(transfer.kv_connector_extra_config or {}))
+    return load_config(dict(transfer.kv_connector_extra_config or {}), os.environ)
 
 
 class Replayer:
@@ -127,8 +130,9 @@ class Replayer:
         self.special_ids = set(getattr(self.tokenizer, "all_special_ids", []) or [])
         self.chat = chat
         self.memory = ToolMemory(config.tool_memory_max_ids)
-        self.trace = Trace(config.trace)
+        self.trace = Trace.from_config(config)
         self.disk = DiskToolMaps(config.kv_disk_dir)
+        self.log = ToolLog(config.kv_disk_dir, self.table.digest(), config.tool_memory_max_ids)
         self._loaded = threading.Event()
         self._last_poll = 0.0
         threading.Thread(target=self._initial_load, name="kvdisk-replay-load", daemon=True).start()
@@ -137,21 +141,39 @@ class Replayer:
     def _initial_load(self) -> None:
         started = time.monotonic()
         try:
-            added = self._poll_disk()
-            log.info("kvdisk replay: %d tool-call id(s) from disk in %.2f s", added,
-                     time.monotonic() - started)
+            calls = self._poll_log()
+            folded = self.log.fold_dead(newest_calls(calls, self.memory.max_ids))
+            from_log = sum(len(c.ids) for c in calls)
+            from_files = self._poll_files()
+            log.info("kvdisk replay: %d tool-call id(s) from the tool-call log (%d old log(s) "
+                     "folded), %d from checkpoint files, in %.2f s", from_log, folded,
+                     from_files, time.monotonic() - started)
         except Exception:  # noqa: BLE001
             log.exception("kvdisk replay: reading tool maps failed")
         finally:
             self._loaded.set()
 
-    def _poll_disk(self) -> int:
-        self._last_poll = time.monotonic()
+    def _poll_log(self) -> list[ToolCall]:
+        """Tool calls other API servers (or this one before a restart) returned."""
+        calls = self.log.poll()
+        for call in calls:
+            record = ToolRecord(call.text, call.token_ids, None, origin="disk")
+            for tid in call.ids:
+                self.memory.add_if_absent(tid, record)
+        return calls
+
+    def _poll_files(self) -> int:
+        """The KTM sections of checkpoint files (the seed's tool map; no token ids)."""
         added = 0
         for tid, text, ns, sha1 in self.disk.poll():
             added += self.memory.add_if_absent(
                 tid, ToolRecord(text, None, None, origin="disk", source=(ns, sha1)))
         return added
+
+    def _poll_disk(self) -> None:
+        self._last_poll = time.monotonic()
+        self._poll_log()
+        self._poll_files()
 
     async def _refresh_for(self, ids: list[str]) -> None:
         """Unknown ids: wait for the start-up load, and look for files written since."""
@@ -210,7 +232,7 @@ class Replayer:
         return plan
 
     def finish(self, request: Any, plan: Plan) -> None:
-        self.trace.line(plan.summary())
+        self.trace.replay(plan.summary())
         if not plan.replays or not hasattr(request, "kv_transfer_params"):
             return
         params = dict(request.kv_transfer_params or {})
@@ -262,6 +284,12 @@ class Replayer:
         record = ToolRecord(text, tuple(sampled), signature, origin="memory")
         for tid in ids:
             self.memory.put(tid, record)
+        # Durable before the response leaves: a restart right after it still replays.
+        self.log.append(ToolCall(tuple(ids), text, tuple(sampled)), self._newest)
+
+    def _newest(self) -> list[ToolCall]:
+        return [ToolCall(tuple(ids), r.text, r.token_ids) for ids, r in self.memory.records()
+                if r.token_ids is not None]
 
     def remember_response(self, response: Any, tap: _Tap) -> None:
         for choice in getattr(response, "choices", None) or []:

@@ -1,42 +1,60 @@
-"""Scheduler half of the connector: lookups, load plans and save plans.
+"""Scheduler half of the connector: lookups, load jobs and save jobs.
 
-Runs in vLLM's EngineCore process. It owns a read-mostly view of the cache directory (the
-index) and never writes checkpoint files itself: it decides, the worker copies and writes,
-and the worker's per-step :class:`WorkerReport` tells the index what landed.
+Runs in vLLM's EngineCore process; each public method is the vLLM hook of the same name
+(the facade delegates one line each). It decides from the index (``planner``,
+``saverules``, ``policy``: pure, unit-tested), never writes checkpoint files itself (the
+worker copies and writes, and its per-step :class:`WorkerReport` tells the index what
+landed), and leaves explanations that read files to ``diagnose`` on a background thread.
 
 Invariants:
-* ``get_num_new_matched_tokens`` has no side effect beyond a memo of its own answer.
+* ``get_num_new_matched_tokens`` answers from a memo of its own lookup; refreshing the
+  index (files other processes wrote or removed) is its only other effect.
 * A hit is always block-aligned, beyond what the GPU prefix cache holds, below the full
-  prompt, and asynchronous.
-* A request whose load failed is never offered the disk cache again (no retry loop).
+  prompt, and asynchronous. A request whose load failed is never offered the disk again.
+* Nothing a client or the storage can cause escapes a hook: it is counted
+  (``vllm:kvdisk_errors_total{hook}``), logged, and the request is served without the cache.
+  A request that was promised a load always gets a load job (possibly one that fails at
+  once), so it never waits forever.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import signal
 import time
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import numpy as np
 
 from vllm_kvdisk.config import KVDiskConfig
-from vllm_kvdisk.format import (MAX_KTM_ENTRIES, MAX_TOOL_ID_BYTES, MAX_TOOL_TEXT_BYTES, Reason,
-                                read_tokens)
+from vllm_kvdisk.control import RequestControl, tool_entries
+from vllm_kvdisk.diagnose import Diagnostics, describe_hit, explain
+from vllm_kvdisk.events import DiskEvents
+from vllm_kvdisk.format import Reason
 from vllm_kvdisk.index import Lookup, Miss
 from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta, WorkerReport
-from vllm_kvdisk.metrics import KVDiskStats, StatsRecorder
-from vllm_kvdisk.keys import Fingerprint, Grid, KeyCache, TokenTable, salt_digest
+from vllm_kvdisk.keys import Fingerprint, Grid, TokenTable, as_token_array, salt_digest
+from vllm_kvdisk.metrics import KVDiskStats, StatsRecorder, guarded
 from vllm_kvdisk.planner import Planner, Prompt
 from vllm_kvdisk.policy import Decision, LoadCostModel
+from vllm_kvdisk.saverules import SaveRules
 from vllm_kvdisk.store import Store
 from vllm_kvdisk.trace import Trace
+from vllm_kvdisk.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 REFRESH_INTERVAL_S = 2.0
+
+
+class Phase(Enum):
+    """Where a request stands with the disk cache."""
+
+    NEW = "new"  # looked up (maybe), not admitted yet
+    LOADING = "loading"  # a load job is out; the request waits for finished_recving
+    RUNNING = "running"  # computing (after a load, or without one)
+    FAILED = "failed"  # its load failed: never offered the disk again
 
 
 @dataclass(slots=True)
@@ -44,62 +62,54 @@ class _Req:
     request: Any
     scope: Scope
     ns: str
+    control: RequestControl
+    phase: Phase = Phase.NEW
     memo_key: tuple[int, int] | None = None
     memo: Lookup | None = None
-    memo_prompt: Prompt | None = None
+    memo_ids: np.ndarray | None = None
     declined: Decision | None = None  # the load policy found recomputing cheaper
-    loading: bool = False
-    load_failed: bool = False
-
-
-def tool_entries(request: Any, text: bytes) -> list[tuple[str, str]]:
-    """The (tool-call id, exact text) pairs the request carries whose text the checkpoint
-    contains: they go into the file's KTM section so replay survives restarts."""
-    params = getattr(request, "kv_transfer_params", None) or {}
-    pairs = params.get("kvdisk_tool_map") if isinstance(params, dict) else None
-    if not isinstance(pairs, list):
-        return []
-    out = []
-    for pair in pairs[:MAX_KTM_ENTRIES]:
-        if (isinstance(pair, (list, tuple)) and len(pair) == 2
-                and all(isinstance(x, str) for x in pair)
-                and 0 < len(pair[0].encode()) <= MAX_TOOL_ID_BYTES
-                and len(pair[1].encode()) <= MAX_TOOL_TEXT_BYTES
-                and pair[1] and pair[1].encode() in text):
-            out.append((pair[0], pair[1]))
-    return out
 
 
 class SchedulerSide:
     def __init__(self, config: KVDiskConfig, fingerprint: Fingerprint, table: TokenTable,
-                 block_size: int, context_size: int):
+                 block_size: int, context_size: int, *, events: bool = False):
         self.config = config
         self.base_fp = fingerprint
         self.table = table
         self.block_size = block_size
         self.context_size = context_size
-        self.grid = Grid(config.kv_cache_boundary_align_tokens,
-                         config.kv_cache_boundary_trim_tokens, block_size)
+        grid = Grid(config.kv_cache_boundary_align_tokens, config.kv_cache_boundary_trim_tokens,
+                    block_size)
+        self.rules = SaveRules(grid, config.kv_cache_min_tokens, config.kv_cache_cold_max_tokens,
+                               config.kv_cache_continued_interval_tokens,
+                               config.kv_cache_tail_checkpoints)
+        self.stats = StatsRecorder()
         self.store = Store(config.kv_disk_dir, space_bytes=config.space_bytes,
-                           min_free_bytes=config.min_free_bytes)
+                           min_free_bytes=config.min_free_bytes,
+                           allow_shared_dir=config.kv_disk_allow_shared_dir,
+                           lock_timeout_s=config.kv_disk_lock_timeout_s)
+        started = time.monotonic()
         self.store.scan()
-        self.planner = Planner(self.store.index, self.grid, config.kv_cache_min_tokens)
-        self.trace = Trace(config.trace)
+        self.planner = Planner(self.store.index, block_size, self.store.read_ids,
+                               config.kv_cache_min_tokens)
+        self.trace = Trace.from_config(config)
+        self.diagnostics = Diagnostics()
+        self.cost = LoadCostModel()
+        self.events = DiskEvents(events, block_size)
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
         self._saves: list[SaveJob] = []
         self._ns_cache: dict[tuple[str, str], str] = {}
         self._last_refresh = 0.0
-        self.key_cache = KeyCache()
-        self.cost = LoadCostModel()
-        self.stats = StatsRecorder()
+        self._stale: set[str] = set()  # namespaces to re-list at the next lookup
         self._quarantined_seen = 0
         self._shutdown_requested = False
         self._shutdown_saved = False
         self._watch_shutdown()
         self.kv_cache_manager: Any = None
-        log.info("kvdisk: %d checkpoint(s), %d bytes in %s", len(self.store.index),
-                 self.store.index.total_bytes, self.store.root)
+        log.info("kvdisk: %d checkpoint(s), %.1f MiB of %d MiB budget in %s (scanned in %.2f s)",
+                 len(self.store.index), self.store.index.total_bytes / 2**20,
+                 config.kv_disk_space_mb, self.store.root, time.monotonic() - started)
 
     def _watch_shutdown(self) -> None:
         """Learn when vLLM's engine process is told to stop, to checkpoint running requests.
@@ -122,264 +132,296 @@ class SchedulerSide:
             except ValueError:  # not the main thread
                 return
 
-    # -- namespaces -------------------------------------------------------------------
-    def _scope(self, request: Any) -> Scope:
-        lora = getattr(request, "lora_request", None)
-        return Scope(lora=(getattr(lora, "lora_name", "") or "") if lora else "",
-                     salt_digest=salt_digest(getattr(request, "cache_salt", None)))
-
+    # -- requests ---------------------------------------------------------------------
     def _ns(self, scope: Scope) -> str:
         key = (scope.lora, scope.salt_digest)
         if key not in self._ns_cache:
-            fp = Fingerprint(**{**self.base_fp.describe(), "lora": scope.lora,
-                                "salt_digest": scope.salt_digest})
-            self._ns_cache[key] = fp.dirname()
+            self._ns_cache[key] = self.base_fp.scoped(scope.lora, scope.salt_digest).dirname()
         return self._ns_cache[key]
 
     def _state(self, request: Any) -> _Req:
         st = self._reqs.get(request.request_id)
         if st is None:
-            scope = self._scope(request)
-            st = _Req(request, scope, self._ns(scope))
+            lora = getattr(request, "lora_request", None)
+            scope = Scope(lora=(getattr(lora, "lora_name", "") or "") if lora else "",
+                          salt_digest=salt_digest(getattr(request, "cache_salt", None)))
+            control = RequestControl.from_request(request)
+            st = _Req(request, scope, self._ns(scope), control)
             self._reqs[request.request_id] = st
         return st
 
     def _refresh(self, ns: str) -> None:
         """Pick up files written since the last look: at most every 2 s, but at once while
         our own saves are in flight (a worker may have landed one whose report has not
-        reached us yet; the check is one stat of the directory when nothing changed)."""
+        reached us yet) or a worker found the index stale; one stat of the directory when
+        nothing changed."""
         now = time.monotonic()
-        if self.store.index.has_pending() or now - self._last_refresh >= REFRESH_INTERVAL_S:
+        stale = ns in self._stale
+        if stale or self.store.index.has_pending() or now - self._last_refresh >= REFRESH_INTERVAL_S:
             self._last_refresh = now
-            self.store.refresh(ns)
+            self._stale.discard(ns)
+            self.store.refresh(ns, force=stale)
 
     # -- lookups ----------------------------------------------------------------------
-    def num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
+    @guarded("get_num_new_matched_tokens", lambda: (0, False))
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)
-        if st.load_failed or request.prompt_token_ids is None:
+        if st.phase is not Phase.NEW or request.prompt_token_ids is None or not st.control.load:
             return 0, False
         usable = request.num_tokens - 1  # vLLM always computes at least one prompt token
-        memo_key = (num_computed, usable)
+        memo_key = (num_computed_tokens, usable)
         if st.memo_key != memo_key:
             self._refresh(st.ns)
-            prompt = Prompt(self.table, self.grid, request.prompt_token_ids, limit=usable,
-                            cache=self.key_cache)
-            st.memo, st.memo_key = self.planner.lookup(st.ns, prompt, usable), memo_key
-            st.memo_prompt = prompt
+            ids = as_token_array(request.prompt_token_ids[:usable])
+            st.memo, st.memo_key, st.memo_ids = self.planner.lookup(st.ns, ids, usable), memo_key, ids
             st.declined = None
-            if self.config.kv_disk_load_policy == "auto" and st.memo.tokens > num_computed:
-                self._apply_policy(st, num_computed)
+            if self.config.kv_disk_load_policy == "auto" and st.memo.tokens > num_computed_tokens:
+                self._apply_policy(st, num_computed_tokens)
         hit = st.memo.tokens if st.memo else 0
-        if hit <= num_computed:
+        if hit <= num_computed_tokens:
             return 0, False
-        return hit - num_computed, True
+        return hit - num_computed_tokens, True
 
     def _apply_policy(self, st: _Req, num_computed: int) -> None:
-        """Cut the chain to the part that is cheaper to load than to recompute."""
+        """Cut the chain to the part that is cheaper to load than to recompute (a file is
+        read whole even when only part of it is used)."""
         lookup = st.memo
-        beyond = [e for e in lookup.chain if e.tokens > num_computed]
-        costs = [(e.size, e.tokens - max(e.parent_tokens, num_computed)) for e in beyond]
+        segments = lookup.segments
+        below = sum(1 for s in segments if s.upto <= num_computed)
+        costs = [(s.entry.size, s.upto - max(s.entry.parent_tokens, num_computed))
+                 for s in segments[below:]]
         decision = self.cost.choose(costs)
         if decision.probe:
-            self.trace.line(f"probe for sha1={lookup.chain[-1].sha1} (loading although "
-                            f"recompute looked cheaper: est. load {decision.load_s * 1e3:.0f} ms "
-                            f"vs recompute {decision.recompute_s * 1e3:.0f} ms; re-measuring "
-                            f"the store)")
-        if decision.files == len(beyond):
-            return
-        keep = len(lookup.chain) - len(beyond) + decision.files
-        st.memo = Lookup(lookup.chain[:keep], Miss.CHEAPER_TO_RECOMPUTE,
-                         lookup.miss_key, lookup.other_namespaces)
-        st.declined = decision
+            self.trace.probe(segments[-1].entry.sha1, decision.load_s, decision.recompute_s)
+        if decision.files < len(costs):
+            st.memo = lookup.cut(below + decision.files, Miss.CHEAPER_TO_RECOMPUTE)
+            st.declined = decision
 
-    def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
+    @guarded("update_state_after_alloc", lambda: None)
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
         if st is None or st.memo is None:
             return
-        lookup, prompt = st.memo, st.memo_prompt
+        lookup, ids = st.memo, st.memo_ids
         on_device = st.memo_key[0] if st.memo_key else 0
-        st.memo = st.memo_key = st.memo_prompt = None
-        self.stats.add("tokens_looked_up", request.num_prompt_tokens)
-        if num_external <= 0:
-            if lookup.chain and lookup.tokens <= on_device:
-                self.stats.count("lookups", "device_hit:")
-                self.trace.line(f"device hit for sha1={lookup.chain[-1].sha1} ({on_device} "
-                                f"tokens in the GPU prefix cache cover the {lookup.tokens} on disk)")
-            else:
-                self._miss(st, lookup, prompt)
+        st.memo = st.memo_key = st.memo_ids = None
+        if num_external_tokens <= 0:
+            st.phase = Phase.RUNNING
+            self.stats.add("tokens_looked_up", request.num_prompt_tokens)
+            self._record_no_load(st, lookup, ids, on_device)
             return
-        self.stats.count("lookups", "hit:")
+        st.phase = Phase.LOADING
         hit = lookup.tokens
-        local = hit - num_external
+        local = hit - num_external_tokens
         bs = self.block_size
         start, end = local // bs, hit // bs
-        block_ids = list(blocks.get_block_ids()[0][start:end])
-        files = [LoadFile(e.sha1, e.tokens, e.parent_tokens) for e in lookup.chain
-                 if e.tokens > local]
-        self._loads.append(LoadJob(request.request_id, st.scope, files, start, block_ids))
-        st.loading = True
-        if self.trace.enabled:
-            deeper = ""
-            if lookup.miss is not None:
-                miss = self._why_not_deeper(st, lookup)
-                deeper = f"; not deeper: {self._detail(st, lookup, miss, prompt)}"
-            self.trace.line(f"hit for sha1={lookup.chain[-1].sha1} (restoring {num_external} tokens "
-                            f"from {len(files)} file(s); {local} already in the GPU cache{deeper})")
-
-    def _why_not_deeper(self, st: _Req, lookup: Lookup) -> Miss:
-        miss = lookup.miss or Miss.NO_CHECKPOINT
-        if (miss is Miss.NO_CHECKPOINT and lookup.chain
-                and self.store.index.children(st.ns, lookup.chain[-1].sha1)):
-            return Miss.PREFIX_MISMATCH  # a deeper checkpoint of this prefix exists
-        return miss
-
-    def _detail(self, st: _Req, lookup: Lookup, miss: Miss, prompt: Prompt | None) -> str:
-        """Human words for the trace; reads a file or two, so only when tracing."""
-        key = lookup.miss_key
         try:
-            if miss is Miss.PREFIX_MISMATCH and prompt is not None:
-                return self._divergence(st.ns, lookup, prompt) or miss.value
-            if miss is Miss.OTHER_NAMESPACE:
-                return f"{miss.value} ({', '.join(lookup.other_namespaces)})"
-            if miss is Miss.CHEAPER_TO_RECOMPUTE and st.declined is not None:
-                d = st.declined
-                return (f"{miss.value}: load {d.load_s * 1e3:.0f} ms vs prefill "
-                        f"{d.recompute_s * 1e3:.0f} ms")
-            if miss is Miss.TOKENS_DIFFER and key is not None and prompt is not None:
-                with self.store.open(st.ns, key.sha1) as (fd, meta, _):
-                    theirs = np.frombuffer(read_tokens(fd, meta), dtype="<u4")
-                mine = prompt.ids[: len(theirs)]
-                at = int(np.argmax(mine != theirs)) if len(mine) == len(theirs) else len(mine)
-                return f"{miss.value} at token {at}"
-        except Exception as exc:  # noqa: BLE001 - diagnostics must never fail a request
-            return f"{miss.value} ({exc})"
-        return miss.value
+            block_ids = list(blocks.get_block_ids()[0][start:end])
+            files = [LoadFile(s.entry.sha1, s.entry.parent_tokens, s.upto, s.entry.tokens,
+                              s.entry.inode) for s in lookup.segments if s.upto > local]
+            job = LoadJob(request.request_id, st.scope, files, start, block_ids,
+                          ids[:hit].astype("<u4").tobytes())
+        except Exception as exc:  # noqa: BLE001 - the request must still get its answer
+            self.stats.count("errors", "update_state_after_alloc")
+            log.exception("kvdisk: planning the load of %s failed", request.request_id)
+            job = LoadJob(request.request_id, st.scope, [], start,
+                          list(blocks.get_block_ids()[0][start:end]), fail=str(exc))
+        self._loads.append(job)
+        self.stats.add("tokens_looked_up", request.num_prompt_tokens)
+        self.stats.count("lookups", "hit:")
+        if self.trace.enabled:
+            files = len(job.files)
+            last = lookup.segments[-1].entry.sha1
+            words = describe_hit(lookup, local)
+            ns = st.ns
 
-    def _miss(self, st: _Req, lookup: Lookup, prompt: Prompt | None) -> None:
-        miss = self._why_not_deeper(st, lookup)
-        self.stats.count("lookups", f"miss:{miss.label}")
-        if not self.trace.enabled:
+            def trace_hit() -> None:
+                detail = words
+                if lookup.miss is not None:
+                    _, why = explain(self.store, self.table, ns, lookup, ids)
+                    detail += f"; not deeper: {why}"
+                self.trace.hit(last, num_external_tokens, files, detail)
+
+            self.diagnostics.submit(trace_hit)
+
+    def _record_no_load(self, st: _Req, lookup: Lookup, ids: np.ndarray | None,
+                        on_device: int) -> None:
+        if lookup.segments and lookup.tokens <= on_device:
+            self.stats.count("lookups", "device_hit:")
+            self.trace.device_hit(lookup.segments[-1].entry.sha1, on_device, lookup.tokens)
             return
-        sha = lookup.miss_key.sha1 if lookup.miss_key else "-"
-        detail = self._detail(st, lookup, miss, prompt)
-        if lookup.chain:
-            detail += f"; deepest checkpoint {lookup.tokens} tokens"
-        self.trace.line(f"miss for sha1={sha} (reason: {detail})")
+        miss = lookup.miss or Miss.NO_CHECKPOINT
+        if not st.control.load:
+            miss = Miss.SKIPPED
+        declined, ns = st.declined, st.ns
+        if miss is not Miss.PREFIX_MISMATCH or ids is None:
+            self.stats.count("lookups", f"miss:{miss.label}")
+            if self.trace.enabled:
+                detail = miss.value
+                if miss is Miss.OTHER_NAMESPACE:
+                    detail += f" ({', '.join(lookup.other_namespaces)})"
+                if miss is Miss.CHEAPER_TO_RECOMPUTE and declined is not None:
+                    detail += (f": load {declined.load_s * 1e3:.0f} ms vs prefill "
+                               f"{declined.recompute_s * 1e3:.0f} ms")
+                if lookup.segments:
+                    detail += f"; deepest checkpoint {lookup.tokens} tokens"
+                self.trace.miss(None, detail)
+            return
 
-    def _divergence(self, ns: str, lookup: Lookup, prompt: Prompt) -> str | None:
-        """Where the prompt leaves the closest deeper checkpoint (a child of the hit)."""
-        base = lookup.chain[-1].sha1 if lookup.chain else None
-        kids = self.store.index.children(ns, base) if base else []
-        best = None
-        for kid in kids[:8]:
-            text = self.store.read_text(ns, kid.sha1)
-            common = os.path.commonprefix([text, prompt.text[: len(text)]])
-            if best is None or len(common) > best[0]:
-                best = (len(common), kid.sha1)
-        if best is None:
-            return None
-        return f"prefix mismatch at byte {best[0]} of checkpoint {best[1]}"
+        def explain_miss() -> None:  # reads files: off the engine step
+            refined, detail = explain(self.store, self.table, ns, lookup, ids)
+            self.stats.count("lookups", f"miss:{refined.label}")
+            if lookup.segments:
+                detail += f"; deepest checkpoint {lookup.tokens} tokens"
+            self.trace.miss(lookup.diverged[0].sha1 if lookup.diverged else None, detail)
+
+        if not self.diagnostics.submit(explain_miss):
+            self.stats.count("lookups", f"miss:{miss.label}")
 
     # -- saves ------------------------------------------------------------------------
-    def _plan_save(self, st: _Req, length: int, reason: Reason, block_ids: list[int],
-                   release: bool = False) -> bool:
+    def _plan_saves(self, st: _Req, due: list[tuple[int, Reason]], block_ids: list[int],
+                    release: bool = False) -> bool:
+        """Plan the due saves of one request; True if any was planned."""
         request = st.request
-        ids = list(request.all_token_ids[:length])
-        if length <= 0 or len(ids) < length:
+        cap = st.control.max_save_tokens
+        due = [(length, reason) for length, reason in due if cap is None or length <= cap]
+        if not due or not st.control.save:
             return False
-        prompt = Prompt(self.table, self.grid, ids, cache=self.key_cache)
-        plan = self.planner.plan_save(st.ns, prompt, length, reason)
-        if plan is None:
+        top = max(length for length, _ in due)
+        ids = request.all_token_ids[:top]
+        if len(ids) < top:
             return False
-        bs = self.block_size
-        owned = block_ids[plan.parent_tokens // bs: length // bs]
-        if len(owned) != (length - plan.parent_tokens) // bs:
-            return False
-        self.planner.reserve(plan, prompt.digest(length), int(time.time()))
-        text = prompt.text_upto(length)
-        self._saves.append(SaveJob(
-            request.request_id, st.scope, plan.sha1, length, plan.parent, plan.parent_tokens,
-            reason, list(owned), text, prompt.ids[:length].astype("<u4").tobytes(),
-            self.context_size, tool_map=tool_entries(request, text), release_blocks=release))
-        return True
+        prompt = Prompt(self.table, ids)
+        planned = False
+        for length, reason in due:
+            plan = self.planner.plan_save(st.ns, prompt, length, reason)
+            if plan is None:
+                continue
+            bs = self.block_size
+            owned = block_ids[plan.parent_tokens // bs: length // bs]
+            if len(owned) != (length - plan.parent_tokens) // bs:
+                continue
+            if not self.planner.reserve(plan, prompt, int(time.time())):
+                continue
+            self.events.planned((plan.ns, plan.sha1), request, plan.parent_tokens, length,
+                                st.scope.lora)
+            text = prompt.text_upto(length)
+            self._saves.append(SaveJob(
+                request.request_id, st.scope, plan, list(owned), text,
+                prompt.ids[:length].astype("<u4").tobytes(), self.context_size,
+                tool_map=tool_entries(request, text), release_blocks=release))
+            planned = True
+        return planned
 
     def _block_ids(self, req_id: str) -> list[int]:
         if self.kv_cache_manager is None:
             return []
         return list(self.kv_cache_manager.get_block_ids(req_id)[0])
 
-    def build_meta(self, scheduler_output: Any) -> StepMeta:
-        cfg = self.config
-        for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
-            st = self._reqs.get(req_id)
-            if st is None or st.load_failed:
-                continue
-            request = st.request
-            before = request.num_computed_tokens
-            after = before + n_sched
-            n_prompt = request.num_prompt_tokens
-            if before < n_prompt <= after:
-                length = self.grid.floor(n_prompt)
-                if cfg.kv_cache_min_tokens <= length <= cfg.kv_cache_cold_max_tokens:
-                    self._plan_save(st, length, Reason.COLD, self._block_ids(req_id))
-            interval = cfg.kv_cache_continued_interval_tokens
-            if after // interval > before // interval:
-                self._plan_save(st, self.grid.floor(after), Reason.CONTINUED,
-                                self._block_ids(req_id))
-        if self._shutdown_requested and not self._shutdown_saved:
-            self._shutdown_saved = True
-            self._checkpoint_running()
-        meta = StepMeta(self._loads, self._saves, scheduler_output.total_num_scheduled_tokens)
-        self._loads, self._saves = [], []
+    @guarded("build_connector_meta", lambda: StepMeta())
+    def build_connector_meta(self, scheduler_output: Any) -> StepMeta:
+        # Loads first: a request promised a load must get its job even if planning
+        # saves fails below.
+        meta = StepMeta(self._loads, [], scheduler_output.total_num_scheduled_tokens)
+        self._loads = []
+        try:
+            for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
+                st = self._reqs.get(req_id)
+                if st is None or st.phase in (Phase.FAILED, Phase.LOADING):
+                    continue
+                request = st.request
+                before = request.num_computed_tokens
+                due = self.rules.on_step(request.num_prompt_tokens, before, before + n_sched)
+                if due:
+                    self._plan_saves(st, due, self._block_ids(req_id))
+            if self._shutdown_requested and not self._shutdown_saved:
+                self._shutdown_saved = True
+                self._checkpoint_running()
+        except Exception:  # noqa: BLE001 - saves are optional; the loads above are not
+            self.stats.count("errors", "build_connector_meta")
+            log.exception("kvdisk: planning saves failed")
+        meta.saves, self._saves = self._saves, []
         return meta
 
     def _checkpoint_running(self) -> None:
         """Shutdown saves: every running request's computed prefix, in case the drain
         that follows does not finish before the engine is killed."""
         for req_id, st in self._reqs.items():
-            if st.loading or st.load_failed:
+            if st.phase is not Phase.RUNNING:
                 continue
-            length = self.grid.floor(st.request.num_computed_tokens)
-            if length >= self.config.kv_cache_min_tokens:
-                self._plan_save(st, length, Reason.SHUTDOWN, self._block_ids(req_id))
+            due = self.rules.on_shutdown(st.request.num_computed_tokens)
+            if due:
+                self._plan_saves(st, due, self._block_ids(req_id))
 
+    @guarded("request_finished", lambda: (False, None))
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         st = self._reqs.pop(request.request_id, None)
-        if st is None or st.loading or st.load_failed:
+        if st is None or st.phase in (Phase.LOADING, Phase.FAILED):
             # A request aborted mid-load is released by its finished_recving, never here.
             return False, None
         computed = min(request.num_computed_tokens, len(block_ids) * self.block_size)
-        length = self.grid.floor(computed)
-        if length < self.config.kv_cache_min_tokens:
-            return False, None
-        return self._plan_save(st, length, Reason.EVICT, list(block_ids), release=True), None
+        due = self.rules.on_finished(computed)
+        return self._plan_saves(st, due, list(block_ids), release=True), None
 
     # -- worker feedback --------------------------------------------------------------
-    def on_worker_output(self, output: Any) -> None:
+    @guarded("update_connector_output", lambda: None)
+    def update_connector_output(self, output: Any) -> None:
         for req_id in output.finished_recving or ():
             st = self._reqs.get(req_id)
-            if st is not None:
-                st.loading = False
+            if st is not None and st.phase is Phase.LOADING:
+                st.phase = Phase.RUNNING
         for req_id in getattr(output, "failed_recving", None) or ():
             st = self._reqs.get(req_id)
             if st is not None:
-                st.load_failed = True
+                st.phase = Phase.FAILED
         report = output.kv_connector_worker_meta
         if not isinstance(report, WorkerReport):
             return
         index = self.store.index
         for entry in report.written:
             index.add(entry)
+            self.events.landed(entry.key)
         for ns, sha1 in report.failed_saves:
             index.release(ns, sha1)
+            self.events.dropped((ns, sha1))
         for ns, sha1 in report.removed:
             index.remove(ns, sha1)
+            self.events.removed((ns, sha1))
+            self._stale.add(ns)
         for nbytes, seconds in report.loads:
             self.cost.observe_load(nbytes, seconds)
         for tokens, seconds in report.steps:
             self.cost.observe_step(tokens, seconds)
 
-    def stats_snapshot(self) -> KVDiskStats | None:
+    def take_events(self) -> list[Any]:
+        return self.events.take()
+
+    @guarded("reset_cache", lambda: False)
+    def reset_cache(self) -> bool:
+        """Remove this model's checkpoints (every LoRA, salt and TP rank of it) from disk.
+        Each namespace directory is renamed away first, so concurrent readers only miss."""
+        mine = {k: v for k, v in self.base_fp.describe().items()
+                if k not in ("lora", "salt_digest", "tp_rank")}
+        removed = spaces = 0
+        for ns in self.store.namespaces():
+            info = self.store.namespace_info(ns)
+            if info is None or any(info.get(k) != v for k, v in mine.items()):
+                continue
+            removed += self.store.remove_namespace(ns)
+            spaces += 1
+            self.events.removed_namespace(ns)
+        for st in self._reqs.values():
+            st.memo = st.memo_key = st.memo_ids = None
+        log.info("kvdisk: cache reset: %d checkpoint(s) removed in %d namespace(s) of %s",
+                 removed, spaces, self.base_fp.model)
+        return True
+
+    def has_pending_push_work(self) -> bool:
+        # Keep the engine stepping until saves in flight are reported: the index learns
+        # of them, metrics are current, and a SIGTERM drain waits for them.
+        return self.store.index.has_pending()
+
+    def get_kv_connector_stats(self) -> KVDiskStats | None:
         index, store = self.store.index, self.store
         self.stats.set("disk_bytes", index.total_bytes)
         self.stats.set("disk_files", len(index))
@@ -391,4 +433,6 @@ class SchedulerSide:
         return self.stats.snapshot()
 
     def shutdown(self) -> None:
+        self.diagnostics.close()
         self.trace.close()
+        self.store.close()

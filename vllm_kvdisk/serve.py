@@ -1,11 +1,13 @@
 """``vllm-kvdisk serve MODEL [vLLM args] [--kv-disk-dir DIR ...]``: vLLM's own server with
 the disk cache switched on.
 
-ds4-server's flag names and defaults are turned into vLLM's ``--kv-transfer-config``;
-every other argument goes to ``vllm serve`` untouched. It also sets what a disk cache
-needs from vLLM: the load-failure policy ``recompute`` (a bad file costs a recompute, never
-a failed request), a shutdown timeout so pending saves are flushed on SIGTERM, and usage
-details so clients see ``cached_tokens``.
+The cache's flags are derived from :class:`~vllm_kvdisk.config.KVDiskConfig` (ds4-server's
+names and defaults; ``KVDISK_*`` environment variables fill what the command line does not
+say) and turned into vLLM's ``--kv-transfer-config``; every other argument goes to
+``vllm serve`` untouched. It also sets what a disk cache needs from vLLM: the load-failure
+policy ``recompute`` (a bad file costs a recompute, never a failed request), a shutdown
+timeout so pending saves are flushed on SIGTERM, and usage details so clients see
+``cached_tokens``. ``--help`` shows the cache's flags first, then vLLM's.
 """
 
 from __future__ import annotations
@@ -16,37 +18,42 @@ import os
 import sys
 from typing import Sequence
 
-from vllm_kvdisk.config import ConfigError, KVDiskConfig, load_config
+from vllm_kvdisk.config import (FIELDS, ConfigError, KVDiskConfig, as_dict, default_of, env_of,
+                                flag_of, load_config)
 
-# flag -> (config key, type); defaults come from KVDiskConfig.
-FLAGS: dict[str, tuple[str, type]] = {
-    "--kv-disk-dir": ("kv_disk_dir", str),
-    "--kv-disk-space-mb": ("kv_disk_space_mb", int),
-    "--kv-disk-min-free-mb": ("kv_disk_min_free_mb", int),
-    "--kv-cache-min-tokens": ("kv_cache_min_tokens", int),
-    "--kv-cache-cold-max-tokens": ("kv_cache_cold_max_tokens", int),
-    "--kv-cache-continued-interval-tokens": ("kv_cache_continued_interval_tokens", int),
-    "--kv-cache-boundary-trim-tokens": ("kv_cache_boundary_trim_tokens", int),
-    "--kv-cache-boundary-align-tokens": ("kv_cache_boundary_align_tokens", int),
-    "--tool-memory-max-ids": ("tool_memory_max_ids", int),
-    "--kv-disk-io-threads": ("kv_disk_io_threads", int),
-    "--kv-disk-gil-switch-us": ("kv_disk_gil_switch_us", int),
-    "--kv-disk-load-policy": ("kv_disk_load_policy", str),
-    "--trace": ("trace", str),
-}
 SHUTDOWN_TIMEOUT_S = 30
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The cache's flags, one per config field."""
+    parser = argparse.ArgumentParser(
+        prog="vllm-kvdisk serve", add_help=False,
+        usage="vllm-kvdisk serve MODEL --kv-disk-dir DIR [cache flags] [vllm serve flags]",
+        description="vLLM's OpenAI-compatible server with prefix KV-cache checkpoints on "
+                    "disk. Cache flags (each also settable as the environment variable "
+                    "shown; a flag wins over the variable):")
+    for name, f in FIELDS.items():
+        help_text = f.metadata["help"]
+        default = default_of(name)
+        if default is not None:
+            help_text += f" (default: {default}{f.metadata.get('unit') or ''})"
+        help_text += f" [{env_of(name)}]"
+        flag = flag_of(name)
+        if f.type == "bool":
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                                default=None, help=help_text)
+        else:
+            parser.add_argument(flag, dest=name, default=None, help=help_text,
+                                type=int if f.type == "int" else str,
+                                choices=f.metadata.get("choices"),
+                                metavar="N" if f.type == "int" else None)
+    return parser
 
 
 def split_args(argv: Sequence[str]) -> tuple[dict[str, object], list[str]]:
     """Our flags (as config keys) and the arguments left for ``vllm serve``."""
-    parser = argparse.ArgumentParser(prog="vllm-kvdisk serve", add_help=False)
-    for flag, (key, kind) in FLAGS.items():
-        parser.add_argument(flag, dest=key, type=kind, default=None)
-    parser.add_argument("--kv-cache-reject-different-quant", dest="kv_cache_reject_different_quant",
-                        action="store_true", default=None)
-    ours, rest = parser.parse_known_args(list(argv))
-    values = {k: v for k, v in vars(ours).items() if v is not None}
-    return values, rest
+    ours, rest = build_parser().parse_known_args(list(argv))
+    return {k: v for k, v in vars(ours).items() if v is not None}, rest
 
 
 def _has(args: Sequence[str], flag: str) -> bool:
@@ -57,7 +64,7 @@ def vllm_args(config: KVDiskConfig, rest: list[str]) -> list[str]:
     if _has(rest, "--kv-transfer-config"):
         raise ConfigError("vllm-kvdisk serve builds --kv-transfer-config itself; pass the "
                           "cache settings as --kv-disk-* flags instead")
-    extra = {k: v for k, v in vars_of(config).items() if v is not None}
+    extra = {k: v for k, v in as_dict(config).items() if v is not None}
     transfer = {"kv_connector": "kvdisk", "kv_role": "kv_both",
                 "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
     out = list(rest) + ["--kv-transfer-config", json.dumps(transfer)]
@@ -66,10 +73,6 @@ def vllm_args(config: KVDiskConfig, rest: list[str]) -> list[str]:
     if not _has(rest, "--enable-prompt-tokens-details"):
         out.append("--enable-prompt-tokens-details")
     return out
-
-
-def vars_of(config: KVDiskConfig) -> dict[str, object]:
-    return {name: getattr(config, name) for name in KVDiskConfig.__dataclass_fields__}
 
 
 def _patch_cpu_build_version() -> None:
@@ -91,19 +94,33 @@ def _patch_cpu_build_version() -> None:
     md.version = version
 
 
+def _run_vllm(args: list[str]) -> None:
+    _patch_cpu_build_version()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", "serve", *args]
+    vllm_main()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        from importlib.metadata import version
+
+        print(f"vllm-kvdisk {version('vllm-kvdisk')}")
+        return 0
     if not argv or argv[0] != "serve":
-        print("usage: vllm-kvdisk serve MODEL [vllm serve args] --kv-disk-dir DIR "
-              f"[{' '.join(f'{f} N' for f in list(FLAGS)[1:4])} ...]", file=sys.stderr)
+        print("usage: vllm-kvdisk serve MODEL --kv-disk-dir DIR [cache flags] [vllm serve "
+              "flags]   (vllm-kvdisk serve --help lists them)", file=sys.stderr)
         return 2
+    if _has(argv[1:], "--help") or "-h" in argv[1:]:
+        build_parser().print_help()
+        print("\nvLLM's own flags (`vllm serve --help`):\n", flush=True)
+        _run_vllm(["--help"])
+        return 0
     values, rest = split_args(argv[1:])
     try:
-        config = load_config(values)
-    except ConfigError as exc:
-        print(f"vllm-kvdisk: {exc}", file=sys.stderr)
-        return 2
-    try:
+        config = load_config(values, os.environ)
         args = vllm_args(config, rest)
     except ConfigError as exc:
         print(f"vllm-kvdisk: {exc}", file=sys.stderr)
@@ -113,11 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vllm_kvdisk.replay_plugin import plugins_env
 
     os.environ["VLLM_PLUGINS"] = plugins_env(os.environ.get("VLLM_PLUGINS"))
-    _patch_cpu_build_version()
-    from vllm.entrypoints.cli.main import main as vllm_main
-
-    sys.argv = ["vllm", "serve", *args]
-    vllm_main()
+    _run_vllm(args)
     return 0
 
 

@@ -1,0 +1,93 @@
+"""The tool-call log on disk: durable at once, shared, bounded, and safe to read."""
+
+import multiprocessing as mp
+import os
+
+from vllm_kvdisk.toolmap import (DIRNAME, MAGIC, ToolCall, ToolLog, encode_record,
+                                 newest_calls, scan_records)
+
+
+def call(i: int) -> ToolCall:
+    return ToolCall((f"chatcmpl-tool-{i}",), f'<tool_call>{{"n": {i}}}</tool_call>', (1, 2, i))
+
+
+def test_records_round_trip_and_damage_is_skipped_not_fatal():
+    raw = b"".join(encode_record("tok", call(i)) for i in range(3))
+    records, used, bad = scan_records(raw)
+    assert [c for _, c in records] == [call(0), call(1), call(2)] and used == len(raw) and not bad
+    broken = bytearray(raw)
+    broken[len(encode_record("tok", call(0))) + 20] ^= 0xFF  # inside record 1's body
+    records, used, bad = scan_records(bytes(broken))
+    assert [c.ids for _, c in records] == [call(0).ids, call(2).ids] and bad == 1
+    records, used, bad = scan_records(raw[:-5])  # a write in progress: left for later
+    assert len(records) == 2 and used == len(raw) - len(encode_record("tok", call(2)))
+    garbage = os.urandom(5000) + raw
+    assert [c for _, c in scan_records(garbage)[0]][-3:] == [call(0), call(1), call(2)]
+    huge = MAGIC + (0xFFFFFFFF).to_bytes(4, "little") + bytes(8)  # claims 4 GiB: not allocated
+    assert scan_records(huge)[0] == []
+
+
+def test_a_call_is_on_disk_before_append_returns_and_other_processes_read_it(tmp_path):
+    writer = ToolLog(str(tmp_path), "tok", max_ids=100)
+    reader = ToolLog(str(tmp_path), "tok", max_ids=100)
+    assert writer.append(call(1))
+    assert reader.poll() == [call(1)]  # no fsync, no close needed: a kill -9 loses nothing
+    assert reader.poll() == []  # tailing: only what is new
+    writer.append(call(2))
+    assert reader.poll() == [call(2)]
+    other_model = ToolLog(str(tmp_path), "another tokenizer", max_ids=100)
+    assert other_model.poll() == []  # another model's records never replay here
+
+
+def test_the_log_stays_bounded_and_dead_writers_are_folded(tmp_path):
+    log = ToolLog(str(tmp_path), "tok", max_ids=5)
+    kept: list[ToolCall] = []
+    for i in range(1100):
+        kept.append(call(i))
+        log.append(call(i), lambda: newest_calls(kept, 5))
+    size = sum(os.path.getsize(tmp_path / DIRNAME / n) for n in os.listdir(tmp_path / DIRNAME))
+    assert size < 1100 * len(encode_record("tok", call(1000))) / 2
+    log.close()  # its writer is gone now (the lock is released with the descriptor)
+    for name in os.listdir(tmp_path / DIRNAME):
+        os.utime(tmp_path / DIRNAME / name, (0, 0))
+    fresh = ToolLog(str(tmp_path), "tok", max_ids=5)
+    calls = fresh.poll()
+    assert calls[-1] == call(1099)
+    assert fresh.fold_dead(newest_calls(calls, 5)) == 1
+    assert len(os.listdir(tmp_path / DIRNAME)) == 1
+    again = ToolLog(str(tmp_path), "tok", max_ids=5)
+    assert [c.ids for c in again.poll()] == [call(i).ids for i in range(1095, 1100)]
+
+
+def test_a_live_writers_log_is_never_folded(tmp_path):
+    live = ToolLog(str(tmp_path), "tok", max_ids=5)
+    live.append(call(1))
+    for name in os.listdir(tmp_path / DIRNAME):
+        os.utime(tmp_path / DIRNAME / name, (0, 0))
+    other = ToolLog(str(tmp_path), "tok", max_ids=5)
+    assert other.fold_dead(newest_calls(other.poll(), 5)) == 0
+    live.append(call(2))
+    assert other.poll() == [call(2)]
+
+
+def _append_and_die(root):
+    log = ToolLog(root, "tok", max_ids=10)
+    if log.append(call(7)):
+        os._exit(9)  # as kill -9 would: no close, no flush, no fsync
+    os._exit(1)
+
+
+def test_a_call_appended_just_before_a_kill_survives(tmp_path):
+    proc = mp.get_context("spawn").Process(target=_append_and_die, args=(str(tmp_path),))
+    proc.start()
+    proc.join(timeout=60)
+    assert proc.exitcode == 9
+    assert ToolLog(str(tmp_path), "tok", max_ids=10).poll() == [call(7)]
+
+
+def test_a_symlinked_or_unwritable_log_directory_is_a_warning_not_a_crash(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / DIRNAME)
+    log = ToolLog(str(tmp_path), "tok", max_ids=10)
+    assert not log.available and not log.append(call(1)) and log.poll() == []
+    assert os.listdir(tmp_path / "elsewhere") == []

@@ -1,0 +1,119 @@
+"""Why a lookup went no deeper, in words: the part of a miss or hit that reads files.
+
+Lookups decide from the index alone; explaining a divergence ("the prompt leaves
+checkpoint X at byte 4190", "same text, different tokens at token 712") needs the
+checkpoint's text and ids and the prompt's rendered text. That work runs here, on one
+background thread, never in the engine step: it refines the miss reason counted in the
+metrics and writes the trace line. A full queue drops the explanation, never blocks.
+
+Pure of vLLM and torch.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from typing import Callable
+
+import numpy as np
+
+from vllm_kvdisk.format import read_tokens
+from vllm_kvdisk.index import Entry, Lookup, Miss
+from vllm_kvdisk.keys import TokenTable
+from vllm_kvdisk.store import Store
+from vllm_kvdisk.logs import get_logger
+
+log = get_logger(__name__)
+
+QUEUE_SIZE = 256
+
+
+def explain(store: Store, table: TokenTable, ns: str, lookup: Lookup,
+            ids: np.ndarray) -> tuple[Miss, str]:
+    """The refined reason and its words for ``lookup`` of the prompt ``ids``."""
+    miss = lookup.miss or Miss.NO_CHECKPOINT
+    if miss is Miss.OTHER_NAMESPACE:
+        return miss, f"{miss.value} ({', '.join(lookup.other_namespaces)})"
+    if miss is not Miss.PREFIX_MISMATCH or not lookup.diverged:
+        return miss, miss.value
+    text: bytes | None = None
+    best: tuple[int, Miss, str] | None = None
+    for entry in lookup.diverged[:8]:
+        try:
+            with store.open(ns, entry.sha1) as (fd, meta, _):
+                theirs_text = os.pread(fd, meta.text_len, meta.offsets.text)
+                theirs_ids = np.frombuffer(read_tokens(fd, meta), dtype="<u4")
+        except Exception as exc:  # noqa: BLE001 - diagnostics never fail anything
+            log.debug("kvdisk: cannot explain with %s: %s", entry.sha1, exc)
+            continue
+        if text is None:
+            text, _ = table.render(ids)
+        common = len(os.path.commonprefix([theirs_text, text[:len(theirs_text)]]))
+        n = min(len(ids), len(theirs_ids))
+        differ = np.flatnonzero(ids[:n] != theirs_ids[:n])
+        at_token = int(differ[0]) if differ.size else n
+        if common >= min(len(theirs_text), len(text)):
+            found = (common, Miss.TOKENS_DIFFER,
+                     f"{Miss.TOKENS_DIFFER.value} at token {at_token} of checkpoint {entry.sha1}")
+        else:
+            found = (common, Miss.PREFIX_MISMATCH,
+                     f"{Miss.PREFIX_MISMATCH.value} at byte {common} (token {at_token}) of "
+                     f"checkpoint {entry.sha1}")
+        if best is None or found[0] > best[0]:
+            best = found
+    if best is None:
+        return miss, miss.value
+    return best[1], best[2]
+
+
+class Diagnostics:
+    """One daemon thread that runs explanation jobs in order."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(QUEUE_SIZE)
+        self._thread = threading.Thread(target=self._run, name="kvdisk-diagnose", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> bool:
+        try:
+            self._queue.put_nowait(job)
+            return True
+        except queue.Full:
+            return False
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception:  # noqa: BLE001
+                log.exception("kvdisk: diagnostics job failed")
+            finally:
+                self._queue.task_done()
+
+    def drain(self) -> None:
+        """Wait until every submitted job ran (tests, shutdown)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        try:
+            self._queue.put(None, timeout=1)
+        except queue.Full:
+            return
+        self._thread.join(timeout=5)
+
+
+def describe_hit(lookup: Lookup, local: int) -> str:
+    """The hit's own words: how much of which file is used, what the GPU already held."""
+    parts = [f"{local} already in the GPU cache"]
+    last = lookup.segments[-1] if lookup.segments else None
+    if last is not None and not last.whole:
+        parts.append(f"{last.entry.sha1} used up to token {last.upto} of {last.entry.tokens}")
+    return "; ".join(parts)
+
+
+def chain_words(chain: list[Entry]) -> str:
+    return " -> ".join(f"{e.sha1[:12]}({e.parent_tokens}..{e.tokens})" for e in chain)

@@ -1,0 +1,333 @@
+"""The tool-call map on disk: an append-only, checksummed log every API server shares.
+
+When the server returns a tool call, the pair (tool-call ids -> the exact text and token
+ids the model sampled) is appended to this process's log *before* the response leaves, so
+a call answered one second before a SIGTERM, or before a kill -9, replays after the
+restart. Every API-server process (replicas, ``--api-server-count``) reads all logs at
+start-up and tails them.
+
+Layout: ``ROOT/toolmap/<host>-<pid>-<random>.ktl`` (0600), one per writing process, which
+holds an exclusive ``flock`` on it while alive. A record::
+
+    magic "KTL1" | u32 body length | u64 xxh3-64 of the body | body
+    body: u16 scope length, scope (the tokenizer's identity: records of another model's
+          tokenizer are never used) | u32 id count (1..128) | u32 text length (<= 1 MiB) |
+          u32 token count (<= 2^18) | per id: u16 length (1..1024), id bytes |
+          text (UTF-8) | token ids (u32 each)
+
+All integers little-endian. A bad record (wrong checksum, a length past its limit) is
+logged once and skipped by searching for the next magic; an incomplete last record is a
+write in progress (or a crash) and is read again later. Bounded: a writer whose log holds
+more than ``max_ids`` + 1024 records rewrites it with the newest ``max_ids`` (temp file,
+fsync, rename); logs whose writer is dead are folded into the reader's own log at
+start-up and deleted. Pure: standard library and xxhash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import secrets
+import socket
+import struct
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import xxhash
+
+from vllm_kvdisk import fsdir
+from vllm_kvdisk.logs import get_logger
+
+log = get_logger(__name__)
+
+DIRNAME = "toolmap"
+SUFFIX = ".ktl"
+MAGIC = b"KTL1"
+HEAD = struct.Struct("<4sIQ")
+COUNTS = struct.Struct("<III")
+MAX_IDS_PER_RECORD = 128
+MAX_ID_BYTES = 1024
+MAX_TEXT_BYTES = 1 << 20
+MAX_TOKENS = 1 << 18
+MAX_BODY = 8 << 20
+READ_CHUNK = 1 << 20
+SLACK_RECORDS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    ids: tuple[str, ...]
+    text: str
+    token_ids: tuple[int, ...]
+
+
+def encode_record(scope: str, call: ToolCall) -> bytes:
+    raw_scope = scope.encode()
+    raw_ids = [i.encode() for i in call.ids]
+    raw_text = call.text.encode()
+    if (not 1 <= len(raw_ids) <= MAX_IDS_PER_RECORD or len(raw_scope) > 0xFFFF
+            or any(not 1 <= len(i) <= MAX_ID_BYTES for i in raw_ids)
+            or len(raw_text) > MAX_TEXT_BYTES or len(call.token_ids) > MAX_TOKENS):
+        raise ValueError("tool call outside the record limits")
+    parts = [struct.pack("<H", len(raw_scope)), raw_scope,
+             COUNTS.pack(len(raw_ids), len(raw_text), len(call.token_ids))]
+    for raw in raw_ids:
+        parts += [struct.pack("<H", len(raw)), raw]
+    parts += [raw_text, struct.pack(f"<{len(call.token_ids)}I", *call.token_ids)]
+    body = b"".join(parts)
+    return HEAD.pack(MAGIC, len(body), xxhash.xxh3_64_intdigest(body)) + body
+
+
+def decode_body(body: bytes) -> tuple[str, ToolCall]:
+    """Raises ValueError for anything malformed."""
+    (scope_len,) = struct.unpack_from("<H", body, 0)
+    pos = 2 + scope_len
+    scope = body[2:pos].decode()
+    n_ids, text_len, n_tokens = COUNTS.unpack_from(body, pos)
+    pos += COUNTS.size
+    if not 1 <= n_ids <= MAX_IDS_PER_RECORD or text_len > MAX_TEXT_BYTES or n_tokens > MAX_TOKENS:
+        raise ValueError("record counts outside the limits")
+    ids = []
+    for _ in range(n_ids):
+        (id_len,) = struct.unpack_from("<H", body, pos)
+        if not 1 <= id_len <= MAX_ID_BYTES:
+            raise ValueError("tool id length outside the limits")
+        ids.append(body[pos + 2:pos + 2 + id_len].decode())
+        pos += 2 + id_len
+    text = body[pos:pos + text_len].decode()
+    pos += text_len
+    if pos + 4 * n_tokens != len(body):
+        raise ValueError("record lengths do not add up")
+    tokens = struct.unpack_from(f"<{n_tokens}I", body, pos)
+    return scope, ToolCall(tuple(ids), text, tuple(tokens))
+
+
+def scan_records(buf: bytes, start: int = 0) -> tuple[list[tuple[str, ToolCall]], int, int]:
+    """Records in ``buf[start:]``: (records, offset after the last complete record, bad
+    records skipped). An incomplete record at the end is left for a later read."""
+    out: list[tuple[str, ToolCall]] = []
+    pos, bad = start, 0
+    while pos + HEAD.size <= len(buf):
+        magic, length, checksum = HEAD.unpack_from(buf, pos)
+        if magic != MAGIC or length > MAX_BODY:
+            bad += 1
+            nxt = buf.find(MAGIC, pos + 1)
+            if nxt < 0:
+                return out, max(pos, len(buf) - len(MAGIC) + 1), bad
+            pos = nxt
+            continue
+        end = pos + HEAD.size + length
+        if end > len(buf):
+            break  # incomplete: a write in progress or a crash mid-write
+        body = buf[pos + HEAD.size:end]
+        try:
+            if xxhash.xxh3_64_intdigest(body) != checksum:
+                raise ValueError("checksum mismatch")
+            out.append(decode_body(body))
+            pos = end
+        except (ValueError, struct.error, UnicodeDecodeError):
+            bad += 1
+            nxt = buf.find(MAGIC, pos + 1)
+            if nxt < 0:
+                return out, end, bad
+            pos = nxt
+    return out, pos, bad
+
+
+class ToolLog:
+    """This process's log plus a reader of everyone's. Thread-safe."""
+
+    def __init__(self, root: str, scope: str, max_ids: int):
+        self.scope = scope
+        self.max_ids = max_ids
+        self._lock = threading.Lock()
+        self._offsets: dict[str, int] = {}  # file -> bytes consumed
+        self._warned: set[str] = set()
+        self._fd: int | None = None
+        self._name: str | None = None
+        self._records = 0
+        self._dir_fd: int | None = None
+        try:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+            root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                self._dir_fd = fsdir.make_dir(DIRNAME, root_fd)
+            finally:
+                os.close(root_fd)
+        except OSError as exc:
+            log.warning("kvdisk replay: tool-call log unavailable in %s: %s", root, exc)
+
+    @property
+    def available(self) -> bool:
+        return self._dir_fd is not None
+
+    # -- writing ------------------------------------------------------------------------
+    def _open_own(self) -> None:
+        host = "".join(c for c in socket.gethostname() if c.isalnum() or c in "-_")[:40] or "host"
+        self._name = f"{host}-{os.getpid()}-{secrets.token_hex(4)}{SUFFIX}"
+        self._fd = os.open(self._name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL
+                           | fsdir.NOFOLLOW, 0o600, dir_fd=self._dir_fd)
+        with contextlib.suppress(OSError):
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._records = 0
+        self._offsets[self._name] = 0
+
+    def append(self, call: ToolCall, newest: Callable[[], list[ToolCall]] | None = None) -> bool:
+        """Make one tool call durable (one ``write`` of the whole record). ``newest``:
+        what to keep if the log must be compacted first."""
+        if self._dir_fd is None or self.max_ids == 0:
+            return False
+        try:
+            record = encode_record(self.scope, call)
+        except ValueError:
+            return False
+        with self._lock:
+            try:
+                if self._fd is None:
+                    self._open_own()
+                elif self._records >= self.max_ids + SLACK_RECORDS and newest is not None:
+                    self._compact(newest())
+                os.write(self._fd, record)
+                self._records += 1
+                self._offsets[self._name] += len(record)
+                return True
+            except OSError as exc:
+                log.warning("kvdisk replay: could not record a tool call: %s", exc)
+                return False
+
+    def _compact(self, keep: list[ToolCall]) -> None:
+        """Rewrite this process's log with only ``keep`` (the newest calls)."""
+        old_fd, old_name = self._fd, self._name
+        body = b"".join(encode_record(self.scope, c) for c in keep[-self.max_ids:])
+        self._open_own()
+        os.write(self._fd, body)
+        os.fsync(self._fd)
+        self._records = min(len(keep), self.max_ids)
+        self._offsets[self._name] = len(body)
+        if old_fd is not None:
+            os.close(old_fd)
+        if old_name is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(old_name, dir_fd=self._dir_fd)
+            self._offsets.pop(old_name, None)
+
+    def sync(self) -> None:
+        """fsync this process's log (for power loss; a kill needs none)."""
+        with self._lock:
+            if self._fd is not None:
+                with contextlib.suppress(OSError):
+                    os.fsync(self._fd)
+
+    # -- reading ------------------------------------------------------------------------
+    def poll(self) -> list[ToolCall]:
+        """Calls appended by any process since the last poll, oldest first within a file.
+        Never raises: unreadable files and bad bytes are logged and skipped."""
+        if self._dir_fd is None:
+            return []
+        out: list[ToolCall] = []
+        try:
+            with os.scandir(self._dir_fd) as it:
+                names = sorted(de.name for de in it
+                               if de.name.endswith(SUFFIX) and de.is_file(follow_symlinks=False))
+        except OSError as exc:
+            log.warning("kvdisk replay: cannot list the tool-call logs: %s", exc)
+            return []
+        for name in names:
+            if name == self._name:
+                continue
+            out += self._read_new(name)
+        for gone in set(self._offsets) - set(names) - {self._name}:
+            del self._offsets[gone]
+        return out
+
+    def _read_new(self, name: str) -> list[ToolCall]:
+        start = self._offsets.get(name, 0)
+        try:
+            fd = os.open(name, os.O_RDONLY | fsdir.NOFOLLOW, dir_fd=self._dir_fd)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                self._warn(name, f"cannot open: {exc}")
+            return []
+        try:
+            size = os.fstat(fd).st_size
+            if size < start:  # rewritten by its writer: read it again from the start
+                start = 0
+            buf = b""
+            while start + len(buf) < size:
+                chunk = os.pread(fd, min(READ_CHUNK, size - start - len(buf)), start + len(buf))
+                if not chunk:
+                    break
+                buf += chunk
+        except OSError as exc:
+            self._warn(name, f"cannot read: {exc}")
+            return []
+        finally:
+            os.close(fd)
+        records, used, bad = scan_records(buf)
+        if bad:
+            self._warn(name, f"{bad} damaged record(s) skipped")
+        self._offsets[name] = start + used
+        return [call for scope, call in records if scope == self.scope]
+
+    def _warn(self, name: str, what: str) -> None:
+        if name not in self._warned:
+            self._warned.add(name)
+            log.warning("kvdisk replay: tool-call log %s: %s", name, what)
+
+    def fold_dead(self, newest: list[ToolCall]) -> int:
+        """Delete the logs whose writer is gone (their records were read by ``poll``),
+        after writing ``newest`` to this process's own log. Returns the logs deleted."""
+        if self._dir_fd is None:
+            return 0
+        dead = []
+        with os.scandir(self._dir_fd) as it:
+            for de in it:
+                if (de.name.endswith(SUFFIX) and de.name != self._name
+                        and de.is_file(follow_symlinks=False)
+                        and fsdir.writer_gone(self._dir_fd, de.name)):
+                    dead.append(de.name)
+        if not dead:
+            return 0
+        with self._lock:
+            try:
+                if self._fd is None:
+                    self._open_own()
+                self._compact(newest)
+            except OSError as exc:
+                log.warning("kvdisk replay: could not fold old tool-call logs: %s", exc)
+                return 0
+        for name in dead:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=self._dir_fd)
+            self._offsets.pop(name, None)
+        return len(dead)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in (self._fd, self._dir_fd):
+                if fd is not None:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            self._fd = self._dir_fd = None
+
+
+def newest_calls(calls: list[ToolCall], limit: int) -> list[ToolCall]:
+    """The newest ``limit`` distinct calls (by id), oldest first."""
+    by_id: OrderedDict[str, ToolCall] = OrderedDict()
+    for call in calls:
+        for tid in call.ids:
+            by_id.pop(tid, None)
+            by_id[tid] = call
+    seen: list[ToolCall] = []
+    marks: set[int] = set()
+    for call in reversed(by_id.values()):
+        if id(call) not in marks:
+            marks.add(id(call))
+            seen.append(call)
+        if len(seen) >= limit:
+            break
+    return list(reversed(seen))
