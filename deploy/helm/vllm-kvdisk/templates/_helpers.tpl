@@ -35,3 +35,25 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- fail "kvdisk.spaceMb must be positive" }}
 {{- end }}
 {{- end }}
+
+{{/* Refuse two scrapes of the same pods: every series would exist twice. */}}
+{{- define "vllm-kvdisk.validateMonitoring" -}}
+{{- if and (.Values.serviceMonitor | default dict).enabled (.Values.podMonitor | default dict).enabled }}
+{{- fail "serviceMonitor.enabled and podMonitor.enabled: enable one of them (both would scrape every pod twice)" }}
+{{- end }}
+{{- end }}
+
+{{/* Labels of one alert: its severity, then prometheusRule.labels. */}}
+{{- define "vllm-kvdisk.alertLabels" -}}
+severity: {{ .severity | quote }}
+{{- with omit .root.Values.prometheusRule.labels "severity" }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* prometheusRule.annotations, less the keys each alert sets itself. */}}
+{{- define "vllm-kvdisk.alertAnnotations" -}}
+{{- with omit .Values.prometheusRule.annotations "summary" "description" "runbook" "runbook_url" }}
+{{- toYaml . }}
+{{- end }}
+{{- end }}
