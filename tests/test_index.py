@@ -179,3 +179,32 @@ def test_ties_go_to_older_last_use_and_hits_decay():
     assert [e.sha1 for e in idx.plan_eviction(1, now=30)] == ["old"]
     hot = Entry("n", "hot", 48, None, 0, Reason.COLD, 8, 0, 0, 1000, 0, 0)
     assert score(hot, HALF_LIFE_S) == (4 + 1) * 48 / 1000
+
+
+def test_grid_saves_rebase_on_the_grid_so_chains_stay_shallow():
+    """A conversation growing turn by turn: tails chain on each other between grid points,
+    and each grid checkpoint is a delta on the previous grid checkpoint, not on the tails,
+    so the chain is the grid points plus the tails since the last one."""
+    from synth import prompt_of
+    from vllm_kvdisk.keys import Grid
+    from vllm_kvdisk.planner import Planner
+
+    grid = Grid(256, 32, BS)
+    d = Disk()
+    planner = Planner(d.index, BS, d.read)
+    ids = ids_of(10, 2000)
+    prompt = prompt_of(ids % 262)
+    ids = prompt.ids
+    for end in range(80, 1800, 80):  # 80 new tokens per turn
+        for pos in sorted({grid.floor(end), grid.block_floor(end - 32)} - {0}):
+            plan = planner.plan_save("n", prompt, pos, Reason.COLD,
+                                     spine=grid.is_position if grid.is_position(pos) else None)
+            if plan is not None:
+                d.add(plan.sha1, ids, pos, plan.parent, plan.parent_tokens)
+    got = d.lookup(ids, 1800)
+    ends = [s.upto for s in got.segments]
+    assert got.tokens == max(grid.floor(1760), grid.block_floor(1760 - 32))
+    on_grid = [e for e in ends if grid.is_position(e)]
+    assert on_grid == grid.positions_upto(got.tokens)  # every grid point, in order
+    assert len(ends) - len(on_grid) <= 256 // 80 + 1  # only the tails since the last one
+    assert len(d.index) > len(ends)  # the superseded tails are still there, as leaves

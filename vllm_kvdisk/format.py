@@ -86,6 +86,7 @@ DTYPES: dict[str, tuple[int, int]] = {  # name -> (code, bytes per element)
     "uint8": (6, 1),
 }
 DTYPE_NAMES = {code: name for name, (code, _) in DTYPES.items()}
+_REASONS = {int(r): r for r in Reason}
 
 
 def dtype_code(name: str) -> int:
@@ -125,7 +126,8 @@ class Header:
             raise UnsupportedFile(f"format version {version}, this build reads {FORMAT_VERSION}")
         if kv_dtype not in DTYPE_NAMES:
             raise FormatError(f"unknown KV dtype code {kv_dtype}")
-        if reason not in Reason._value2member_map_:
+        save_reason = _REASONS.get(reason)
+        if save_reason is None:
             raise FormatError(f"unknown save reason {reason}")
         if flags & ~KNOWN_FLAGS:
             raise FormatError(f"unknown flag bits {flags:#06x}")
@@ -133,7 +135,7 @@ class Header:
             raise UnsupportedFile("file carries logits (flag bit 2); this build never writes them")
         if not 1 <= tokens <= MAX_TOKENS:
             raise FormatError(f"token count {tokens} outside 1..{MAX_TOKENS}")
-        return cls(kv_dtype, Reason(reason), flags, tokens, hits, ctx, created, last_used,
+        return cls(kv_dtype, save_reason, flags, tokens, hits, ctx, created, last_used,
                    payload, version)
 
 
@@ -382,6 +384,8 @@ class Summary:
 _SUMMARY = struct.Struct("<4sHH32s20sII")  # magic .. block size (prefix of PAYLOAD_FIXED)
 _LAYERS_AT = 4 + 2 + 2 + 32 + 20 + 4 + 4 + 4 + 4  # u32 layer count inside PAYLOAD_FIXED
 _DIGEST_AT = PAYLOAD_FIXED.size - 16
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+_NO_PARENT = bytes(20)
 
 
 def _pread_exact(fd: int, size: int, offset: int) -> bytes:
@@ -417,39 +421,39 @@ def _read_span(fd: int, first: bytes, offset: int, size: int) -> bytes:
 def read_summary(fd: int, file_size: int) -> Summary:
     """Header, parent, token digest and the first owned block's ids, checked for
     consistency, in one or two reads; the full parse and every checksum happen when the
-    file is loaded. Raises FormatError like ``read_meta``."""
+    file is loaded. Raises FormatError like ``read_meta``. (The hot loop of a start-up
+    scan: kept free of helpers.)"""
     header, text_len, buf = _read_opening(fd, file_size)
     payload_at = HEADER.size + TEXT_LEN.size + text_len
-    # The payload header, the checksum table and the token ids follow each other: when
-    # the first page does not hold what is needed, one read of that span does.
-    span = min(header.payload_bytes,
-               PAYLOAD_FIXED.size + CHECKSUM.size * (MAX_LAYERS + 1) + 4 * header.tokens)
     base = 0
-
-    def take(offset: int, size: int) -> bytes:
-        nonlocal buf, base
-        if offset - base + size > len(buf) and base == 0:
-            buf, base = _pread_exact(fd, span, payload_at), payload_at
-        if offset < base or offset - base + size > len(buf):
-            raise FormatError("token ids extend past the payload")
-        return buf[offset - base:offset - base + size]
-
-    fixed = take(payload_at, PAYLOAD_FIXED.size)
-    magic, version, fixed_len, _, parent, parent_tokens, block_size = _SUMMARY.unpack_from(fixed)
+    if payload_at + PAYLOAD_FIXED.size > len(buf):
+        # The payload header, the checksum table and the token ids follow each other: one
+        # read of that span holds what the first page did not.
+        span = min(header.payload_bytes,
+                   PAYLOAD_FIXED.size + CHECKSUM.size * (MAX_LAYERS + 1) + 4 * header.tokens)
+        buf, base = _pread_exact(fd, span, payload_at), payload_at
+    magic, version, fixed_len, _, parent, parent_tokens, block_size = _SUMMARY.unpack_from(
+        buf, payload_at - base)
     if magic != PAYLOAD_MAGIC:
         raise FormatError(f"bad payload magic {magic!r}")
     if version != PAYLOAD_VERSION or fixed_len != PAYLOAD_FIXED.size:
         raise UnsupportedFile(f"payload version {version}/{fixed_len}")
-    (layers,) = struct.unpack_from("<I", fixed, _LAYERS_AT)
-    has_parent = parent != bytes(20)
+    (layers,) = _U32.unpack_from(buf, payload_at - base + _LAYERS_AT)
+    has_parent = parent != _NO_PARENT
     if (has_parent != bool(header.flags & FLAG_DELTA) or parent_tokens >= header.tokens
             or has_parent != (parent_tokens > 0) or not 1 <= layers <= MAX_LAYERS
             or not 1 <= block_size <= header.tokens or parent_tokens % block_size
             or header.tokens % block_size):
         raise FormatError("parent, block or layer fields inconsistent")
     ids_at = payload_at + PAYLOAD_FIXED.size + CHECKSUM.size * (layers + 1)
-    head = xxhash.xxh3_64_intdigest(take(ids_at + 4 * parent_tokens, 4 * block_size))
-    (digest,) = struct.unpack_from("<Q", fixed, _DIGEST_AT)
+    head_at = ids_at + 4 * parent_tokens - base
+    if head_at + 4 * block_size > len(buf):
+        if base:
+            raise FormatError("token ids extend past the payload")
+        buf = _pread_exact(fd, 4 * block_size, ids_at + 4 * parent_tokens)
+        head_at = 0
+    head = xxhash.xxh3_64_intdigest(buf[head_at:head_at + 4 * block_size])
+    (digest,) = _U64.unpack_from(buf, payload_at - base + _DIGEST_AT)
     return Summary(header, parent.hex() if has_parent else None, parent_tokens, digest,
                    head, ids_at)
 

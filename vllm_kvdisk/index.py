@@ -213,9 +213,12 @@ class Index:
     def add(self, entry: Entry) -> None:
         """Index a complete file (replacing any entry or pending save of the same key)."""
         entry.pending, entry.ids = False, None
-        self.remove(entry.ns, entry.sha1)
-        self.release(entry.ns, entry.sha1)
-        self._entries[entry.key] = entry
+        key = (entry.ns, entry.sha1)
+        if key in self._entries:
+            self.remove(entry.ns, entry.sha1)
+        if key in self._pending:
+            self.release(entry.ns, entry.sha1)
+        self._entries[key] = entry
         self._by_ns.setdefault(entry.ns, {})[entry.sha1] = entry
         self.total_bytes += entry.size
         self._link(entry)

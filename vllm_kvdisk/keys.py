@@ -69,6 +69,10 @@ class Grid:
             k -= 1
         return max(0, self.position(k)) if k > 0 else 0
 
+    def is_position(self, tokens: int) -> bool:
+        """Whether ``tokens`` is a grid position."""
+        return tokens > 0 and self.floor(tokens) == tokens
+
     def block_floor(self, tokens: int) -> int:
         return align_down(max(0, tokens), self.block_size)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -78,19 +78,30 @@ class Planner:
             return Lookup(miss=Miss.BELOW_MIN_TOKENS)
         return self.index.lookup(ns, ids, usable, self.block_size, self.read_ids)
 
-    def plan_save(self, ns: str, prompt: Prompt, length: int, reason: Reason) -> SavePlan | None:
+    def plan_save(self, ns: str, prompt: Prompt, length: int, reason: Reason,
+                  spine: Callable[[int], bool] | None = None) -> SavePlan | None:
         """A save of ``prompt[:length]`` (a block boundary) as a delta on the deepest
         checkpoint on disk or in flight that holds a prefix of it (possibly up to the
-        middle of that file); None when that checkpoint already covers ``length``."""
+        middle of that file); None when that checkpoint already covers ``length``.
+
+        ``spine``: this save is a grid checkpoint, and ``spine(L)`` tells which positions
+        are on the grid: its parent is then the deepest checkpoint below it *without the
+        tail checkpoints at the end of that chain* (they stay as leaves; the grid file
+        repeats their blocks). So a conversation's chain is its grid checkpoints plus the
+        tails since the last one, however many turns it had."""
         if length < self.min_tokens or length % self.block_size or length > len(prompt.ids):
             return None
         below = self.index.lookup(ns, prompt.ids, length, self.block_size, self.read_ids,
                                   include_pending=True)
         if below.tokens >= length:
             return None
-        top = below.segments[-1].entry if below.segments else None
-        return SavePlan(ns, prompt.sha1_at(length), length, top.sha1 if top else None,
-                        below.tokens, reason)
+        segments = below.segments
+        if spine is not None:
+            while segments and segments[-1].whole and not spine(segments[-1].upto):
+                segments = segments[:-1]
+        top = segments[-1] if segments else None
+        return SavePlan(ns, prompt.sha1_at(length), length, top.entry.sha1 if top else None,
+                        top.upto if top else 0, reason)
 
     def reserve(self, plan: SavePlan, prompt: Prompt, now: int) -> bool:
         """Make a planned save visible to later plans (as a parent, or a duplicate)."""

@@ -38,6 +38,15 @@ from vllm_kvdisk.store import Store
 from vllm_kvdisk.transfer import PageMover
 
 
+class OpenFailed(Exception):
+    """A file of the chain failed its checks (``error``), with the inode it had."""
+
+    def __init__(self, error: Exception, inode: int):
+        super().__init__(str(error))
+        self.error = error
+        self.inode = inode
+
+
 class StaleFile(Exception):
     """The file is sound but not the one the index described (replaced by another process,
     or it holds other token ids): a miss, not a quarantine."""
@@ -82,11 +91,10 @@ class Restorer:
         opened: list[_Open] = []
         try:
             for file in job.files:  # check every file before reading any page
-                out.failed_inode = 0
                 try:
-                    opened.append(self._open(ns, fingerprint, file, job, expected, out))
-                except Exception as exc:  # noqa: BLE001 - reported; later files are not used
-                    out.failed, out.error = file, exc
+                    opened.append(self._open(ns, fingerprint, file, job, expected))
+                except OpenFailed as failed:
+                    out.failed, out.error, out.failed_inode = file, failed.error, failed.inode
                     break
             results = self._read_all(opened)
             bad = next((i for i, r in enumerate(results) if r is not None), None)
@@ -116,11 +124,15 @@ class Restorer:
 
     # -- checks -------------------------------------------------------------------------
     def _open(self, ns: str, fingerprint: bytes, file: LoadFile, job: LoadJob,
-              expected: np.ndarray, out: Outcome) -> _Open:
-        fd = self.store.open_file(ns, file.sha1)
+              expected: np.ndarray) -> _Open:
+        try:
+            fd = self.store.open_file(ns, file.sha1)
+        except Exception as exc:  # noqa: BLE001 - gone, a symlink, an I/O error: a miss
+            raise OpenFailed(exc, 0) from exc
+        inode = 0
         try:
             st = os.fstat(fd)
-            out.failed_inode = st.st_ino
+            inode = st.st_ino
             if file.inode and st.st_ino != file.inode:
                 raise StaleFile("replaced by another process since it was indexed")
             meta = read_meta(fd, st.st_size)
@@ -143,9 +155,9 @@ class Restorer:
             if len(targets) != file.upto // bs - first_used:
                 raise ValueError("load job has fewer target blocks than the file")
             return _Open(file, fd, meta, first_used, targets)
-        except BaseException:
+        except Exception as exc:  # noqa: BLE001
             os.close(fd)
-            raise
+            raise OpenFailed(exc, inode) from exc
 
     # -- reads --------------------------------------------------------------------------
     def _read_all(self, opened: list[_Open]) -> list[Exception | None]:
@@ -161,13 +173,16 @@ class Restorer:
             return results
         cold: list[tuple[int, Callable[[], None]]] = []
         futures = []
-        many = len(opened) > 1 or self.mover.layout.num_layers > 1
+        cached = [pages_cached(o.fd, o.meta) for o in opened]
+        warm_bytes = sum(o.meta.offsets.layer_bytes for o, c in zip(opened, cached) if c)
+        threads = getattr(self.readers, "_max_workers", 1)
         for i, o in enumerate(opened):
-            tasks = self._direct_tasks(o)
-            if many and pages_cached(o.fd, o.meta):  # in the page cache: all threads at once
+            if cached[i]:  # in the page cache: every reader thread at once
+                share = o.meta.offsets.layer_bytes / max(1, warm_bytes)
+                tasks = self._direct_tasks(o, groups=max(1, round(threads * share)))
                 futures += [(i, self.readers.submit(task)) for task in tasks]
             else:
-                cold += [(i, task) for task in tasks]
+                cold += [(i, task) for task in self._direct_tasks(o, groups=1)]
         try:
             for i, task in cold:  # one sequential stream, in file order
                 if results[i] is None:
@@ -183,17 +198,25 @@ class Restorer:
                 results[i] = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
         return results
 
-    def _direct_tasks(self, o: _Open) -> list[Callable[[], None]]:
-        """Read tasks for one file straight into the host-resident blocks."""
+    def _direct_tasks(self, o: _Open, groups: int) -> list[Callable[[], None]]:
+        """Read tasks for one file straight into the host-resident blocks: ``groups``
+        tasks of consecutive layers, one preadv each, when every page is used."""
         mover, meta = self.mover, o.meta
         p = meta.payload
         front = o.first_used - p.first_block  # pages before the used ones
         back = p.first_block + p.num_blocks - o.file.upto // self.block_size  # after them
         runs = mover.block_runs(o.targets)
-        layers = range(p.layout.num_layers)
-        if not front and not back:  # every page used: one preadv for all layers
-            outs = [mover.host_views(layer, runs) for layer in layers]
-            return [lambda: read_layers_into(o.fd, meta, 0, outs)]
+        n_layers = p.layout.num_layers
+        layers = range(n_layers)
+        if not front and not back:  # every page used
+            groups = min(max(1, groups), n_layers)
+            cuts = [n_layers * g // groups for g in range(groups + 1)]
+
+            def read(first: int, stop: int) -> None:
+                read_layers_into(o.fd, meta, first,
+                                 [mover.host_views(layer, runs) for layer in range(first, stop)])
+
+            return [lambda a=a, b=b: read(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
         def one(layer: int) -> None:
             scratch = self.staging.get((front + back) * mover.page_bytes)

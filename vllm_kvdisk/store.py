@@ -272,8 +272,8 @@ class Store:
             if listed.get(entry.sha1) != entry.inode:
                 self.index.remove(ns, entry.sha1)  # deleted or replaced by another process
         complete = True
-        for sha1, inode in sorted(listed.items()):
-            if self.index.get(ns, sha1) is not None:
+        for sha1, inode in listed.items():
+            if (ns, sha1) in self.index:
                 continue
             skipped = state.skipped.get(sha1)
             if skipped is not None and skipped[0] == inode:
