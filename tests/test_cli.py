@@ -7,8 +7,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from synth import FP, prompt_of, save
+
 from vllm_kvdisk.cli import main
 from vllm_kvdisk.store import Store
 

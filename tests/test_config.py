@@ -2,8 +2,16 @@ import re
 
 import pytest
 
-from vllm_kvdisk.config import (ENV_NAMES, FIELDS, ConfigError, KVDiskConfig, default_of,
-                                env_of, flag_of, load_config)
+from vllm_kvdisk.config import (
+    ENV_NAMES,
+    FIELDS,
+    ConfigError,
+    KVDiskConfig,
+    default_of,
+    env_of,
+    flag_of,
+    load_config,
+)
 
 
 def test_defaults_follow_ds4():

@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-
 from engine import engine, events, generate, random_prompt
+
 from vllm_kvdisk.store import Store
 from vllm_kvdisk.transfer import PageMover
 

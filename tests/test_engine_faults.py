@@ -4,8 +4,8 @@ import glob
 import os
 
 import pytest
-
 from engine import engine, events, generate, random_prompt
+
 from vllm_kvdisk.store import Store
 from vllm_kvdisk.verify import verify
 

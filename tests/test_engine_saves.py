@@ -5,7 +5,6 @@ import time
 
 import pytest
 import requests
-
 from engine import Server, engine, events, generate, random_prompt
 
 pytestmark = pytest.mark.engine

@@ -6,12 +6,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from vllm_kvdisk.format import (FLAG_DELTA, FLAG_TOOL_MAP, PAGE_ALIGN, FormatError,
-                                PageLayout, Payload, Reason, UnsupportedFile, decode_tool_map,
-                                encode_checkpoint, encode_tool_map, read_layer_into, read_meta,
-                                read_text, read_tokens, read_tool_map)
+from vllm_kvdisk.fileread import read_layer_into, read_meta, read_text, read_tokens, read_tool_map
+from vllm_kvdisk.format import (
+    FLAG_DELTA,
+    FLAG_TOOL_MAP,
+    PAGE_ALIGN,
+    FormatError,
+    PageLayout,
+    Payload,
+    Reason,
+    UnsupportedFile,
+    decode_tool_map,
+    encode_checkpoint,
+    encode_tool_map,
+)
 
 GOLDEN = Path(__file__).parent / "golden"
 LAYOUT = PageLayout("cpu:LBHNC", 4, 2, (1, 4, 2), "float32")
@@ -78,7 +89,7 @@ def test_round_trip(tmp_path):
 def test_layers_read_in_one_go_into_split_buffers_survive_short_reads(tmp_path, monkeypatch):
     """Both layers in one call, each into three pieces (as runs of blocks would be); the
     kernel may return fewer bytes than asked (here: at most 5 per call)."""
-    import vllm_kvdisk.format as fmt
+    import vllm_kvdisk.fileread as fmt
 
     raw = golden_checkpoint(True)
     fd = write(tmp_path, raw)
@@ -199,7 +210,7 @@ def test_truncation_and_bit_flips_never_crash_or_return_wrong_pages(tmp_path, da
 def test_summary_reads_the_walk_key_in_at_most_two_reads(tmp_path, monkeypatch):
     """A start-up scan indexes a file from its first page, plus one read of the payload
     header, checksum table and token ids when the text is longer than a page."""
-    from vllm_kvdisk import format as fmt
+    from vllm_kvdisk import fileread as fmt
     from vllm_kvdisk.index import head_digest
 
     layout = PageLayout("cpu:LBHNC", 4, 2, (1, 4, 2), "float32")

@@ -186,6 +186,7 @@ def test_grid_saves_rebase_on_the_grid_so_chains_stay_shallow():
     and each grid checkpoint is a delta on the previous grid checkpoint, not on the tails,
     so the chain is the grid points plus the tails since the last one."""
     from synth import prompt_of
+
     from vllm_kvdisk.keys import Grid
     from vllm_kvdisk.planner import Planner
 

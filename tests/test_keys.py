@@ -1,12 +1,16 @@
-import hashlib
 
 import numpy as np
 import pytest
-
 from synth import byte_table
-from vllm_kvdisk.keys import (Fingerprint, Grid, TokenTable, as_token_array, salt_digest,
-                              token_digest)
-from vllm_kvdisk.planner import Prompt
+
+from vllm_kvdisk.keys import (
+    Fingerprint,
+    Grid,
+    TokenTable,
+    as_token_array,
+    salt_digest,
+    token_digest,
+)
 
 
 def test_seed_example_positions():

@@ -7,7 +7,6 @@ import re
 import time
 
 import pytest
-
 from engine import Server, events
 from test_server import disk_tokens, text
 
@@ -69,9 +68,18 @@ def test_metrics_follow_a_chat(tiny_model, tmp_path):
         assert m("vllm:kvdisk_save_seconds_count") == len(files)
         assert m("vllm:kvdisk_disk_budget_bytes") == 8192 * 1024 * 1024
         assert m("vllm:kvdisk_pending_writes") == 0
+        assert m("vllm:kvdisk_errors_total") == 0 and m("vllm:kvdisk_saves_skipped_total") == 0
         names = scrape_names(server)
+        # An operator clears this model's disk cache through vLLM's own route.
+        assert server.reset_prefix_cache(external=True) == {"success": True}
+        assert not [p for p in glob.glob(os.path.join(kv, "*", "*.kv")) if "quarantine" not in p]
+        server.chat([{"role": "user", "content": "hi"}], max_tokens=2)  # a step: gauges update
+        assert wait_for(lambda: m("vllm:kvdisk_disk_files") == 0)
     finally:
         server.stop()
+    # The cache's own log lines come out through vLLM's logging (level, time, pid).
+    started = [line for line in open(log, errors="replace") if "kvdisk: 0 checkpoint(s)" in line]
+    assert started and "INFO" in started[0] and "pid=" in started[0], started
     # Every metric the dashboard and the README use is one the server really exports.
     dashboard = open(os.path.join(ROOT, "deploy", "helm", "vllm-kvdisk", "dashboards",
                                   "kvdisk-dashboard.json")).read()

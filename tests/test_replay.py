@@ -13,12 +13,22 @@ import time
 import numpy as np
 import pytest
 import requests
-
 from engine import Server, engine, events, generate, shared_prefix
 from synth import FP, byte_table, prompt_of, save
-from vllm_kvdisk.replay import (MAP_KEY, DiskToolMaps, ToolMemory, ToolRecord, exact_text,
-                                load_tool_maps, make_signature, plan_replay, sentinel_messages,
-                                splice, strip_stop)
+
+from vllm_kvdisk.replay import (
+    MAP_KEY,
+    DiskToolMaps,
+    ToolMemory,
+    ToolRecord,
+    exact_text,
+    load_tool_maps,
+    make_signature,
+    plan_replay,
+    sentinel_messages,
+    splice,
+    strip_stop,
+)
 from vllm_kvdisk.replay_plugin import plugins_env
 from vllm_kvdisk.store import Store
 

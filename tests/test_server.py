@@ -5,8 +5,8 @@ import os
 import threading
 
 import pytest
-
 from engine import ALIGN, Server, events, shared_prefix
+
 from vllm_kvdisk.keys import Grid
 
 pytestmark = pytest.mark.engine

@@ -7,10 +7,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from synth import BLOCK, FP, encode, planner, prompt_of, save
-from vllm_kvdisk.format import Reason, read_layer_into
-from vllm_kvdisk.store import SaveSkipped, Store
+
+from vllm_kvdisk.budget import SaveSkipped
+from vllm_kvdisk.fileread import read_layer_into
+from vllm_kvdisk.format import Reason
+from vllm_kvdisk.store import Store
 from vllm_kvdisk.verify import verify
 
 

@@ -3,8 +3,15 @@
 import multiprocessing as mp
 import os
 
-from vllm_kvdisk.toolmap import (DIRNAME, MAGIC, ToolCall, ToolLog, encode_record,
-                                 newest_calls, scan_records)
+from vllm_kvdisk.toolmap import (
+    DIRNAME,
+    MAGIC,
+    ToolCall,
+    ToolLog,
+    encode_record,
+    newest_calls,
+    scan_records,
+)
 
 
 def call(i: int) -> ToolCall:

@@ -4,9 +4,9 @@ import re
 
 import numpy as np
 import pytest
+from engine import engine, events, generate, random_prompt, wait_events
 from transformers import AutoTokenizer
 
-from engine import engine, events, generate, random_prompt, wait_events
 from vllm_kvdisk.tokens import table_from_tokenizer
 
 pytestmark = pytest.mark.engine

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_kvdisk import format as fmt
+from vllm_kvdisk import fileread as fmt
 from vllm_kvdisk import restore as restore_mod
 from vllm_kvdisk.config import load_config
 from vllm_kvdisk.format import Reason
@@ -234,8 +234,12 @@ def test_pages_cached_probe(side, monkeypatch):
 def vllm_layer_views(layout_name: str, num_layers=3, num_blocks=12, heads=2, dtype=torch.float16):
     """The per-layer tensors vLLM hands ``register_kv_caches`` for a named layout: views
     into one shared buffer (vllm/v1/kv_cache_interface.py), strided for block-outer ones."""
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheTensor,
-                                            compute_layout_strides, create_kv_cache_views)
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheTensor,
+        compute_layout_strides,
+        create_kv_cache_views,
+    )
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     layout = KVCacheLayout[layout_name]

@@ -21,8 +21,8 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
-from vllm_kvdisk.format import (DTYPE_NAMES, FLAG_DELTA, FLAG_TOOL_MAP, FormatError, read_meta,
-                                read_tool_map)
+from vllm_kvdisk.fileread import read_meta, read_tool_map
+from vllm_kvdisk.format import DTYPE_NAMES, FLAG_DELTA, FLAG_TOOL_MAP, FormatError
 from vllm_kvdisk.index import Entry
 from vllm_kvdisk.store import KV_NAME, Store
 from vllm_kvdisk.verify import verify

@@ -18,11 +18,11 @@ from typing import Callable
 
 import numpy as np
 
-from vllm_kvdisk.format import read_tokens
+from vllm_kvdisk.fileread import read_tokens
 from vllm_kvdisk.index import Entry, Lookup, Miss
 from vllm_kvdisk.keys import TokenTable
-from vllm_kvdisk.store import Store
 from vllm_kvdisk.logs import get_logger
+from vllm_kvdisk.store import Store
 
 log = get_logger(__name__)
 

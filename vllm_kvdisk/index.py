@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import xxhash
 
+from vllm_kvdisk.fileread import Summary
 from vllm_kvdisk.format import Reason
 
 HALF_LIFE_S = 6 * 3600
@@ -64,6 +65,14 @@ class Entry:
     @property
     def key(self) -> Key:
         return (self.ns, self.sha1)
+
+
+def entry_of(ns: str, sha1: str, summary: Summary, size: int, inode: int) -> Entry:
+    """The index entry of a file, from what a scan reads or a writer just encoded."""
+    h = summary.header
+    return Entry(ns, sha1, h.tokens, summary.parent_sha1, summary.parent_tokens, h.reason,
+                 h.hits, h.created, h.last_used, size, summary.token_digest, summary.head,
+                 summary.ids_at, inode)
 
 
 def head_digest(ids: np.ndarray, start: int, block_size: int) -> int:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata,
-                                                               KVConnectorWorkerMetadata)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 from vllm_kvdisk.index import Entry
 from vllm_kvdisk.planner import SavePlan

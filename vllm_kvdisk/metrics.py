@@ -13,9 +13,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
-                                                                  KVConnectorStats)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
+from vllm_kvdisk.budget import SKIP_REASONS
 from vllm_kvdisk.logs import get_logger
 
 log = get_logger(__name__)
@@ -26,6 +29,10 @@ COUNTERS = ("tokens_looked_up", "tokens_loaded", "bytes_written", "bytes_read",
 LABELLED = ("lookups", "saves", "saves_skipped", "errors")  # dicts of label value -> count
 SERIES = ("load_seconds", "save_seconds")
 GAUGES = ("disk_bytes", "disk_files", "disk_budget_bytes", "pending_writes")
+# The connector hooks that run guarded (the label values of vllm:kvdisk_errors_total).
+HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+         "request_finished", "update_connector_output", "reset_cache", "start_load_kv",
+         "wait_for_save", "build_connector_worker_meta")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0)
 
@@ -177,6 +184,10 @@ class KVDiskPromMetrics(KVConnectorPromMetrics):
             for name, m in self._m.items():
                 if name not in LABELLED:
                     m.labels(*labels)
+            for reason in SKIP_REASONS:
+                self._m["saves_skipped"].labels(*labels, reason)
+            for hook in HOOKS:
+                self._m["errors"].labels(*labels, hook)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         d, m = transfer_stats_data, self._m

@@ -40,10 +40,11 @@ from typing import Any
 import numpy as np
 
 from vllm_kvdisk.control import MAP_KEY  # noqa: F401 - the key the connector reads
-from vllm_kvdisk.format import FormatError, read_tokens, read_tool_map
+from vllm_kvdisk.fileread import read_tokens, read_tool_map
+from vllm_kvdisk.format import FormatError
 from vllm_kvdisk.keys import TokenTable
-from vllm_kvdisk.store import Store
 from vllm_kvdisk.logs import get_logger
+from vllm_kvdisk.store import Store
 
 log = get_logger(__name__)
 

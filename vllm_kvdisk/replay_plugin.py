@@ -41,11 +41,22 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from vllm_kvdisk.control import MAP_KEY
-from vllm_kvdisk.replay import (DiskToolMaps, Plan, Signature, ToolMemory, ToolRecord,
-                                exact_text, make_signature, message_tool_ids, plan_replay,
-                                sentinel_messages, splice, strip_stop)
-from vllm_kvdisk.toolmap import ToolCall, ToolLog, newest_calls
 from vllm_kvdisk.logs import get_logger
+from vllm_kvdisk.replay import (
+    DiskToolMaps,
+    Plan,
+    Signature,
+    ToolMemory,
+    ToolRecord,
+    exact_text,
+    make_signature,
+    message_tool_ids,
+    plan_replay,
+    sentinel_messages,
+    splice,
+    strip_stop,
+)
+from vllm_kvdisk.toolmap import ToolCall, ToolLog, newest_calls
 
 log = get_logger(__name__)
 

@@ -30,8 +30,16 @@ from typing import Callable
 
 import numpy as np
 
-from vllm_kvdisk.format import (FormatError, Meta, pages_cached, read_layer_into,
-                                read_layers_into, read_meta, read_token_range, read_tokens)
+from vllm_kvdisk.fileread import (
+    Meta,
+    pages_cached,
+    read_layer_into,
+    read_layers_into,
+    read_meta,
+    read_token_range,
+    read_tokens,
+)
+from vllm_kvdisk.format import FormatError
 from vllm_kvdisk.jobs import LoadFile, LoadJob
 from vllm_kvdisk.staging import StagingPool
 from vllm_kvdisk.store import Store

@@ -35,13 +35,13 @@ from vllm_kvdisk.format import Reason
 from vllm_kvdisk.index import Lookup, Miss
 from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta, WorkerReport
 from vllm_kvdisk.keys import Fingerprint, Grid, TokenTable, as_token_array, salt_digest
+from vllm_kvdisk.logs import get_logger
 from vllm_kvdisk.metrics import KVDiskStats, StatsRecorder, guarded
 from vllm_kvdisk.planner import Planner, Prompt
 from vllm_kvdisk.policy import Decision, LoadCostModel
 from vllm_kvdisk.saverules import SaveRules
 from vllm_kvdisk.store import Store
 from vllm_kvdisk.trace import Trace
-from vllm_kvdisk.logs import get_logger
 
 log = get_logger(__name__)
 
@@ -166,10 +166,13 @@ class SchedulerSide:
     @guarded("get_num_new_matched_tokens", lambda: (0, False))
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)
-        if st.phase is not Phase.NEW or request.prompt_token_ids is None or not st.control.load:
+        if st.phase is not Phase.NEW or request.prompt_token_ids is None:
             return 0, False
         usable = request.num_tokens - 1  # vLLM always computes at least one prompt token
         memo_key = (num_computed_tokens, usable)
+        if not st.control.load:  # the request asked not to load: a miss, said as such
+            st.memo, st.memo_key, st.memo_ids = Lookup(miss=Miss.SKIPPED), memo_key, None
+            return 0, False
         if st.memo_key != memo_key:
             self._refresh(st.ns)
             ids = as_token_array(request.prompt_token_ids[:usable])
@@ -251,8 +254,6 @@ class SchedulerSide:
             self.trace.device_hit(lookup.segments[-1].entry.sha1, on_device, lookup.tokens)
             return
         miss = lookup.miss or Miss.NO_CHECKPOINT
-        if not st.control.load:
-            miss = Miss.SKIPPED
         declined, ns = st.declined, st.ns
         if miss is not Miss.PREFIX_MISMATCH or ids is None:
             self.stats.count("lookups", f"miss:{miss.label}")
@@ -284,7 +285,10 @@ class SchedulerSide:
         """Plan the due saves of one request; True if any was planned."""
         request = st.request
         cap = st.control.max_save_tokens
-        due = [(length, reason) for length, reason in due if cap is None or length <= cap]
+        if cap is not None:  # positions past the cap become one checkpoint at the cap
+            at_cap = self.rules.grid.block_floor(cap)
+            due = sorted({(min(length, at_cap), reason) for length, reason in due
+                          if min(length, at_cap) >= self.rules.min_tokens})
         if not due or not st.control.save:
             return False
         top = max(length for length, _ in due)

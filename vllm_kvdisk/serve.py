@@ -18,8 +18,16 @@ import os
 import sys
 from typing import Sequence
 
-from vllm_kvdisk.config import (FIELDS, ConfigError, KVDiskConfig, as_dict, default_of, env_of,
-                                flag_of, load_config)
+from vllm_kvdisk.config import (
+    FIELDS,
+    ConfigError,
+    KVDiskConfig,
+    as_dict,
+    default_of,
+    env_of,
+    flag_of,
+    load_config,
+)
 
 SHUTDOWN_TIMEOUT_S = 30
 
@@ -113,10 +121,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: vllm-kvdisk serve MODEL --kv-disk-dir DIR [cache flags] [vllm serve "
               "flags]   (vllm-kvdisk serve --help lists them)", file=sys.stderr)
         return 2
-    if _has(argv[1:], "--help") or "-h" in argv[1:]:
+    asked = [a for a in argv[1:] if a == "-h" or a == "--help" or a.startswith("--help=")]
+    if asked:
         build_parser().print_help()
-        print("\nvLLM's own flags (`vllm serve --help`):\n", flush=True)
-        _run_vllm(["--help"])
+        print(f"\nvLLM's own flags (`vllm serve {asked[0]}`):\n", flush=True)
+        _run_vllm([asked[0]])
         return 0
     values, rest = split_args(argv[1:])
     try:

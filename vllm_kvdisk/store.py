@@ -35,44 +35,37 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from vllm_kvdisk import fsdir
-from vllm_kvdisk.format import (HEADER_FIELD_HITS, HEADER_FIELD_LAST_USED, Encoded,
-                                FormatError, Meta, Summary, UnsupportedFile, read_meta,
-                                read_summary, read_text, read_token_range, summary_of)
-from vllm_kvdisk.index import Entry, Index, Key
+from vllm_kvdisk.budget import BudgetMixin
+from vllm_kvdisk.fileread import (
+    Meta,
+    Summary,
+    read_meta,
+    read_summary,
+    read_text,
+    read_token_range,
+)
+from vllm_kvdisk.format import (
+    HEADER_FIELD_HITS,
+    HEADER_FIELD_LAST_USED,
+    FormatError,
+    UnsupportedFile,
+)
+from vllm_kvdisk.index import Entry, Index, entry_of
 from vllm_kvdisk.keys import Fingerprint
 from vllm_kvdisk.logs import get_logger
+from vllm_kvdisk.quarantine import Quarantine
 
 log = get_logger(__name__)
 
 KV_NAME = re.compile(r"^[0-9a-f]{40}\.kv$")
 NS_NAME = re.compile(r"^[0-9a-f]{16}$")
-QUARANTINE = "quarantine"
-TRASH_PREFIX = ".trash-"
 LOCK_TIMEOUT_S = 10.0
-QUARANTINE_MAX_FILES = 256
 IDS_CACHE_BYTES = 64 << 20
-
-
-class SaveSkipped(Exception):
-    """A save was not made for a reason that is no fault (no room, lock busy, parent gone)."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
-
-
-def entry_of(ns: str, sha1: str, summary: Summary, size: int, inode: int) -> Entry:
-    """The index entry of a file, from what a scan reads or a writer just encoded."""
-    h = summary.header
-    return Entry(ns, sha1, h.tokens, summary.parent_sha1, summary.parent_tokens, h.reason,
-                 h.hits, h.created, h.last_used, size, summary.token_digest, summary.head,
-                 summary.ids_at, inode)
 
 
 @dataclass(slots=True)
@@ -94,7 +87,7 @@ class _Namespace:
     skipped: dict[str, tuple[int, str]] = field(default_factory=dict)  # name -> (inode, why)
 
 
-class Store:
+class Store(BudgetMixin):
     def __init__(self, root: str, *, space_bytes: int, min_free_bytes: int = 0,
                  clock: Callable[[], float] = time.time,
                  statvfs: Callable[[int], os.statvfs_result] = os.fstatvfs,
@@ -123,12 +116,14 @@ class Store:
         self._ids: OrderedDict[tuple[str, str, int], np.ndarray] = OrderedDict()
         self._ids_bytes = 0
         self._root_fd = -1
+        self._quarantined = Quarantine(-1, self.quarantine_max_bytes, clock)
         if readonly and not os.path.isdir(self.root):
             return  # nothing there yet: an empty cache
         if not readonly:
             os.makedirs(self.root, mode=0o700, exist_ok=True)
         fsdir.check_root(self.root, allow_shared=allow_shared_dir or readonly)
         self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._quarantined = Quarantine(self._root_fd, self.quarantine_max_bytes, clock)
 
     def close(self) -> None:
         with self._mutex:
@@ -414,152 +409,6 @@ class Store:
                 entry.hits += 1
                 entry.last_used = now
 
-    # -- writing ----------------------------------------------------------------------
-    def write(self, ns: str, sha1: str, encoded: Encoded, *,
-              protect: Iterable[Key] = ()) -> Entry:
-        """Write a checkpoint atomically and index it, keeping the budget and the free-space
-        watermark. Raises SaveSkipped (nothing written, nothing evicted) when it cannot fit,
-        its parent is gone, or the lock is busy; OSError/FormatError when writing failed."""
-        with self._mutex:
-            state = self._namespace(ns, create=True)
-            if state is None:
-                raise OSError(errno.ENOENT, f"cannot create namespace {ns}")
-            dir_fd = os.dup(state.fd)  # ours until the end, whatever happens to the cache
-        entry = entry_of(ns, sha1, summary_of(encoded), encoded.size, 0)
-        try:
-            with fsdir.TempFile(dir_fd, f"{sha1}.kv") as tmp:
-                try:
-                    written = tmp.write(encoded.buffers)
-                except OSError as exc:
-                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                        raise
-                    # The volume is fuller than our budget knows: make room, try once more.
-                    tmp.rewind()
-                    self._commit(entry, None, protect)
-                    written = tmp.write(encoded.buffers)
-                if written != encoded.size:
-                    raise FormatError(f"wrote {written} bytes, layout says {encoded.size}")
-                entry.inode = tmp.inode()
-                self._commit(entry, tmp, protect)
-        except SaveSkipped:
-            self.stats.skipped_saves += 1
-            raise
-        except OSError:
-            self.stats.write_failures += 1
-            raise
-        finally:
-            os.close(dir_fd)
-        return entry
-
-    def _commit(self, entry: Entry, tmp: fsdir.TempFile | None, protect: Iterable[Key]) -> None:
-        """Under the lock: check the parent, make room, then rename the temp file into
-        place (``tmp`` None: only make room for a file of ``entry.size``)."""
-        try:
-            with fsdir.locked(self._root_fd, self.lock_timeout_s), self._mutex:
-                self._commit_locked(entry, tmp, protect)
-        except fsdir.LockTimeout as exc:
-            raise SaveSkipped("lock_timeout", str(exc)) from None
-
-    def _commit_locked(self, entry: Entry, tmp: fsdir.TempFile | None,
-                       protect: Iterable[Key]) -> None:
-        ns = entry.ns
-        self._refresh_all()
-        if tmp is not None and not fsdir.same_dir(tmp.dir_fd, ns, self._root_fd):
-            raise SaveSkipped("namespace_removed", f"namespace {ns} was removed meanwhile")
-        if entry.parent is not None:
-            above = self.index.get(ns, entry.parent)
-            if above is None or not above.parent_tokens < entry.parent_tokens <= above.tokens:
-                raise SaveSkipped("parent_gone", f"parent {entry.parent[:12]} is not on disk")
-        incoming = entry.size if tmp is None else 0  # a written temp file already takes room
-        need = self._shortfall(entry.size, incoming)
-        if need > 0:
-            self._refresh_all(force=True)  # decide evictions from the directory as it is
-            need = self._shortfall(entry.size, incoming)
-        if need > 0:
-            keep = set(protect) | {entry.key}
-            plan = self.index.plan_eviction(need, self.clock(), keep, adding=[entry])
-            freed = sum(e.size for e in plan)
-            if freed < need:
-                raise SaveSkipped("no_space", (
-                    f"{need} bytes must be freed for a file of {entry.size} but only {freed} "
-                    "are evictable (budget or free-space watermark)"))
-            self._delete(plan)
-        if tmp is None:
-            return
-        tmp.commit()
-        self.index.add(entry)
-        self.stats.written += 1
-        self.stats.bytes_written += entry.size
-
-    def _shortfall(self, size: int, incoming: int) -> int:
-        """Bytes to free so a file of ``size`` fits the budget and the watermark
-        (``incoming``: how much of it is not on the volume yet)."""
-        over_budget = self.index.total_bytes + size - self.space_bytes
-        try:
-            st = self._statvfs(self._root_fd)
-            short_free = self.min_free_bytes - (st.f_bavail * st.f_frsize - incoming)
-        except OSError:
-            short_free = 0
-        return max(over_budget, short_free)
-
-    # -- eviction ---------------------------------------------------------------------
-    def _delete(self, plan: list[Entry]) -> None:
-        for entry in plan:
-            self.index.remove(entry.ns, entry.sha1)
-            state = self._namespace(entry.ns)
-            if state is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(f"{entry.sha1}.kv", dir_fd=state.fd)
-            self.stats.evicted += 1
-            self.stats.bytes_evicted += entry.size
-            if self._on_evict is not None:
-                self._on_evict(entry)
-
-    def evict(self, need_bytes: int, protect: Iterable[Key] = (), *,
-              dry_run: bool = False) -> list[Entry]:
-        """Delete the lowest-scored leaves until ``need_bytes`` are freed (decided under the
-        lock from a fresh listing). ``dry_run``: only say what would go."""
-        with fsdir.locked(self._root_fd, self.lock_timeout_s), self._mutex:
-            self._refresh_all(force=True)
-            plan = self.index.plan_eviction(need_bytes, self.clock(), protect)
-            if not dry_run:
-                self._delete(plan)
-        return plan
-
-    def gc_to(self, target_bytes: int, *, dry_run: bool = False) -> list[Entry]:
-        with self._mutex:
-            self._refresh_all()
-            need = self.index.total_bytes - target_bytes
-        return self.evict(need, dry_run=dry_run)
-
-    def remove_namespace(self, ns: str) -> int:
-        """Remove a whole namespace; returns the files removed. The directory is renamed
-        away first, so concurrent readers of it only miss."""
-        with fsdir.locked(self._root_fd, self.lock_timeout_s), self._mutex:
-            trash = f"{TRASH_PREFIX}{ns}-{os.getpid()}-{int(self.clock() * 1000)}"
-            try:
-                os.rename(ns, trash, src_dir_fd=self._root_fd, dst_dir_fd=self._root_fd)
-            except FileNotFoundError:
-                return 0
-            self._namespace(ns)  # forget its descriptor and entries
-            return self._delete_tree(trash)
-
-    def _delete_tree(self, name: str) -> int:
-        removed = 0
-        fd = fsdir.open_dir(name, self._root_fd)
-        try:
-            with os.scandir(fd) as it:
-                for de in it:
-                    if de.is_file(follow_symlinks=False) or de.is_symlink():
-                        with contextlib.suppress(OSError):
-                            os.unlink(de.name, dir_fd=fd)
-                            removed += de.name.endswith(".kv")
-        finally:
-            os.close(fd)
-        with contextlib.suppress(OSError):
-            os.rmdir(name, dir_fd=self._root_fd)
-        return removed
-
     # -- quarantine -------------------------------------------------------------------
     def quarantine(self, ns: str, sha1: str, why: str, *, inode: int | None = None) -> bool:
         """Move a file proven corrupt aside (never delete evidence if it can be kept), drop
@@ -573,77 +422,14 @@ class Store:
         entry = self.index.get(ns, sha1)
         if entry is not None and (inode is None or entry.inode == inode):
             self.index.remove(ns, sha1)
-        if self.readonly:
+        state = None if self.readonly else self._namespace(ns)
+        if state is None or not self._quarantined.move(state.fd, ns, sha1, why, inode):
             return False
-        state = self._namespace(ns)
-        if state is None:
-            return False
-        name = f"{sha1}.kv"
-        try:
-            st = os.stat(name, dir_fd=state.fd, follow_symlinks=False)
-        except OSError:
-            return False
-        if inode is not None and st.st_ino != inode:
-            return False
-        dest = f"{ns}-{sha1}-{int(self.clock())}.kv"
-        try:
-            qfd = fsdir.make_dir(QUARANTINE, self._root_fd)
-        except OSError as exc:
-            # A quarantine that is not a real directory (a symlink) is never used: delete.
-            log.warning("kvdisk: quarantine unusable (%s); deleting %s/%s instead", exc, ns, name)
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=state.fd)
-            return False
-        try:
-            try:
-                os.rename(name, dest, src_dir_fd=state.fd, dst_dir_fd=qfd)
-            except OSError as exc:
-                if exc.errno == errno.ENOENT:
-                    return False
-                log.warning("kvdisk: could not quarantine %s: %s; deleting it", sha1, exc)
-                with contextlib.suppress(OSError):
-                    os.unlink(name, dir_fd=state.fd)
-                return False
-            self.stats.quarantined += 1
-            with contextlib.suppress(OSError):
-                fd = os.open(dest + ".why", os.O_WRONLY | os.O_CREAT | os.O_EXCL | fsdir.NOFOLLOW,
-                             0o600, dir_fd=qfd)
-                with os.fdopen(fd, "w") as fh:
-                    fh.write(why[:4096] + "\n")
-            self._trim_quarantine(qfd)
-        finally:
-            os.close(qfd)
-        log.warning("kvdisk: quarantined %s/%s.kv: %s", ns, sha1, why)
+        self.stats.quarantined += 1
         return True
 
-    def _trim_quarantine(self, qfd: int) -> None:
-        """Keep the quarantine bounded: the oldest evidence goes first."""
-        files = []
-        with os.scandir(qfd) as it:
-            for de in it:
-                if de.name.endswith(".kv") and de.is_file(follow_symlinks=False):
-                    st = de.stat(follow_symlinks=False)
-                    files.append((st.st_mtime, de.name, st.st_size))
-        files.sort()
-        total = sum(size for _, _, size in files)
-        while files and (len(files) > QUARANTINE_MAX_FILES or total > self.quarantine_max_bytes):
-            _, name, size = files.pop(0)
-            for victim in (name, name + ".why"):
-                with contextlib.suppress(OSError):
-                    os.unlink(victim, dir_fd=qfd)
-            total -= size
-
     def quarantined_files(self) -> list[str]:
-        try:
-            fd = fsdir.open_dir(QUARANTINE, self._root_fd)
-        except OSError:
-            return []
-        try:
-            with os.scandir(fd) as it:
-                return sorted(de.name for de in it
-                              if de.name.endswith(".kv") and de.is_file(follow_symlinks=False))
-        finally:
-            os.close(fd)
+        return self._quarantined.files()
 
     def temp_files(self) -> list[tuple[str, str, bool]]:
         """(namespace, name, abandoned) of every temp file."""

@@ -21,6 +21,7 @@ import re
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
+
 from vllm_kvdisk.logs import get_logger
 
 log = get_logger(__name__)

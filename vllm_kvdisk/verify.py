@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from vllm_kvdisk.format import FormatError, read_layer_into, read_text, read_tokens, read_tool_map
+from vllm_kvdisk.fileread import read_layer_into, read_text, read_tokens, read_tool_map
+from vllm_kvdisk.format import FormatError
 from vllm_kvdisk.store import Store
 
 

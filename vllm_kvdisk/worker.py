@@ -27,19 +27,20 @@ from typing import Any
 
 import numpy as np
 
+from vllm_kvdisk.budget import SaveSkipped
 from vllm_kvdisk.config import KVDiskConfig
 from vllm_kvdisk.format import FormatError
 from vllm_kvdisk.index import Entry
 from vllm_kvdisk.jobs import LoadJob, SaveJob, Scope, StepMeta, WorkerReport
 from vllm_kvdisk.keys import Fingerprint
+from vllm_kvdisk.logs import get_logger
 from vllm_kvdisk.metrics import KVDiskStats, StatsRecorder, guarded
 from vllm_kvdisk.planner import encode_plan
 from vllm_kvdisk.restore import Restorer
 from vllm_kvdisk.staging import StagingPool
-from vllm_kvdisk.store import SaveSkipped, Store
+from vllm_kvdisk.store import Store
 from vllm_kvdisk.trace import Trace
 from vllm_kvdisk.transfer import PageMover, pinned_buffer, unique_layers
-from vllm_kvdisk.logs import get_logger
 
 log = get_logger(__name__)
 
@@ -135,6 +136,9 @@ class WorkerSide:
             self.stats.add("tokens_loaded", out.blocks * self.block_size)
         sha = job.files[-1].sha1 if job.files else "-"
         self.trace.loaded(sha, out.blocks * self.block_size, len(job.files), seconds)
+        log.debug("kvdisk: restored %d tokens of %s from %d file(s), %.1f MB in %.1f ms",
+                  out.blocks * self.block_size, job.req_id, len(job.files),
+                  out.bytes_read / 1e6, seconds * 1e3)
         return []
 
     def _quarantine(self, ns: str, sha1: str, why: str, inode: int) -> None:
@@ -257,6 +261,9 @@ class WorkerSide:
         self.stats.count("saves", plan.reason.name.lower())
         self.stats.add("bytes_written", entry.size)
         self.trace.saved(plan.reason.name.lower(), plan.sha1, plan.tokens, entry.size, seconds)
+        log.debug("kvdisk: saved %s tokens %d..%d of %s (%s), %.1f MB in %.1f ms",
+                  plan.sha1[:12], plan.parent_tokens, plan.tokens, job.req_id,
+                  plan.reason.name.lower(), entry.size / 1e6, seconds * 1e3)
         return True
 
     # -- step results -----------------------------------------------------------------

@@ -1,0 +1,191 @@
+"""Writes under one budget: the half of :class:`~vllm_kvdisk.store.Store` that adds and
+removes checkpoint files (mixed into it; it uses the store's index, namespaces and lock).
+
+* A file is written to a locked temp file and fsynced outside the lock; then, under the
+  cross-process lock (waited on at most ``lock_timeout_s``): the view of every namespace
+  is refreshed, the parent must still be on disk, room is made if the budget or the
+  free-space watermark needs it (leaves only, never the new file's ancestors, never the
+  ``protect``ed keys), and the file is renamed into place. A save that cannot fit evicts
+  nothing and raises :class:`SaveSkipped`.
+* ENOSPC while writing the temp file (the volume is fuller than the budget knows) makes
+  room once and writes again.
+* Evictions and ``kvdisk gc`` decide from a fresh listing under the same lock; a whole
+  namespace is renamed away before it is deleted, so concurrent readers only miss.
+
+Pure of vLLM and torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from typing import Iterable
+
+from vllm_kvdisk import fsdir
+from vllm_kvdisk.fileread import summary_of
+from vllm_kvdisk.format import Encoded, FormatError
+from vllm_kvdisk.index import Entry, Key, entry_of
+from vllm_kvdisk.logs import get_logger
+
+log = get_logger(__name__)
+
+TRASH_PREFIX = ".trash-"
+SKIP_REASONS = ("no_space", "lock_timeout", "parent_gone", "namespace_removed")
+
+
+class SaveSkipped(Exception):
+    """A save was not made for a reason that is no fault (no room, lock busy, parent gone)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class BudgetMixin:
+    def write(self, ns: str, sha1: str, encoded: Encoded, *,
+              protect: Iterable[Key] = ()) -> Entry:
+        """Write a checkpoint atomically and index it, keeping the budget and the free-space
+        watermark. Raises SaveSkipped (nothing written, nothing evicted) when it cannot fit,
+        its parent is gone, or the lock is busy; OSError/FormatError when writing failed."""
+        with self._mutex:
+            state = self._namespace(ns, create=True)
+            if state is None:
+                raise OSError(errno.ENOENT, f"cannot create namespace {ns}")
+            dir_fd = os.dup(state.fd)  # ours until the end, whatever happens to the cache
+        entry = entry_of(ns, sha1, summary_of(encoded), encoded.size, 0)
+        try:
+            with fsdir.TempFile(dir_fd, f"{sha1}.kv") as tmp:
+                try:
+                    written = tmp.write(encoded.buffers)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                        raise
+                    # The volume is fuller than our budget knows: make room, try once more.
+                    tmp.rewind()
+                    self._commit(entry, None, protect)
+                    written = tmp.write(encoded.buffers)
+                if written != encoded.size:
+                    raise FormatError(f"wrote {written} bytes, layout says {encoded.size}")
+                entry.inode = tmp.inode()
+                self._commit(entry, tmp, protect)
+        except SaveSkipped:
+            self.stats.skipped_saves += 1
+            raise
+        except OSError:
+            self.stats.write_failures += 1
+            raise
+        finally:
+            os.close(dir_fd)
+        return entry
+
+    def _commit(self, entry: Entry, tmp: fsdir.TempFile | None, protect: Iterable[Key]) -> None:
+        """Under the lock: check the parent, make room, then rename the temp file into
+        place (``tmp`` None: only make room for a file of ``entry.size``)."""
+        try:
+            with fsdir.locked(self._root_fd, self.lock_timeout_s), self._mutex:
+                self._commit_locked(entry, tmp, protect)
+        except fsdir.LockTimeout as exc:
+            raise SaveSkipped("lock_timeout", str(exc)) from None
+
+    def _commit_locked(self, entry: Entry, tmp: fsdir.TempFile | None,
+                       protect: Iterable[Key]) -> None:
+        ns = entry.ns
+        self._refresh_all()
+        if tmp is not None and not fsdir.same_dir(tmp.dir_fd, ns, self._root_fd):
+            raise SaveSkipped("namespace_removed", f"namespace {ns} was removed meanwhile")
+        if entry.parent is not None:
+            above = self.index.get(ns, entry.parent)
+            if above is None or not above.parent_tokens < entry.parent_tokens <= above.tokens:
+                raise SaveSkipped("parent_gone", f"parent {entry.parent[:12]} is not on disk")
+        incoming = entry.size if tmp is None else 0  # a written temp file already takes room
+        need = self._shortfall(entry.size, incoming)
+        if need > 0:
+            self._refresh_all(force=True)  # decide evictions from the directory as it is
+            need = self._shortfall(entry.size, incoming)
+        if need > 0:
+            keep = set(protect) | {entry.key}
+            plan = self.index.plan_eviction(need, self.clock(), keep, adding=[entry])
+            freed = sum(e.size for e in plan)
+            if freed < need:
+                raise SaveSkipped("no_space", (
+                    f"{need} bytes must be freed for a file of {entry.size} but only {freed} "
+                    "are evictable (budget or free-space watermark)"))
+            self._delete(plan)
+        if tmp is None:
+            return
+        tmp.commit()
+        self.index.add(entry)
+        self.stats.written += 1
+        self.stats.bytes_written += entry.size
+
+    def _shortfall(self, size: int, incoming: int) -> int:
+        """Bytes to free so a file of ``size`` fits the budget and the watermark
+        (``incoming``: how much of it is not on the volume yet)."""
+        over_budget = self.index.total_bytes + size - self.space_bytes
+        try:
+            st = self._statvfs(self._root_fd)
+            short_free = self.min_free_bytes - (st.f_bavail * st.f_frsize - incoming)
+        except OSError:
+            short_free = 0
+        return max(over_budget, short_free)
+
+    # -- eviction ---------------------------------------------------------------------
+    def _delete(self, plan: list[Entry]) -> None:
+        for entry in plan:
+            self.index.remove(entry.ns, entry.sha1)
+            state = self._namespace(entry.ns)
+            if state is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"{entry.sha1}.kv", dir_fd=state.fd)
+            self.stats.evicted += 1
+            self.stats.bytes_evicted += entry.size
+            if self._on_evict is not None:
+                self._on_evict(entry)
+
+    def evict(self, need_bytes: int, protect: Iterable[Key] = (), *,
+              dry_run: bool = False) -> list[Entry]:
+        """Delete the lowest-scored leaves until ``need_bytes`` are freed (decided under the
+        lock from a fresh listing). ``dry_run``: only say what would go."""
+        with fsdir.locked(self._root_fd, self.lock_timeout_s), self._mutex:
+            self._refresh_all(force=True)
+            plan = self.index.plan_eviction(need_bytes, self.clock(), protect)
+            if not dry_run:
+                self._delete(plan)
+        return plan
+
+    def gc_to(self, target_bytes: int, *, dry_run: bool = False) -> list[Entry]:
+        with self._mutex:
+            self._refresh_all()
+            need = self.index.total_bytes - target_bytes
+        return self.evict(need, dry_run=dry_run)
+
+    def remove_namespace(self, ns: str) -> int:
+        """Remove a whole namespace; returns the files removed. The directory is renamed
+        away first, so concurrent readers of it only miss."""
+        with fsdir.locked(self._root_fd, self.lock_timeout_s), self._mutex:
+            trash = f"{TRASH_PREFIX}{ns}-{os.getpid()}-{int(self.clock() * 1000)}"
+            try:
+                os.rename(ns, trash, src_dir_fd=self._root_fd, dst_dir_fd=self._root_fd)
+            except FileNotFoundError:
+                return 0
+            self._namespace(ns)  # forget its descriptor and entries
+            return self._delete_tree(trash)
+
+    def _delete_tree(self, name: str) -> int:
+        removed = 0
+        fd = fsdir.open_dir(name, self._root_fd)
+        try:
+            with os.scandir(fd) as it:
+                for de in it:
+                    if de.is_file(follow_symlinks=False) or de.is_symlink():
+                        with contextlib.suppress(OSError):
+                            os.unlink(de.name, dir_fd=fd)
+                            removed += de.name.endswith(".kv")
+        finally:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.rmdir(name, dir_fd=self._root_fd)
+        return removed
+

@@ -1,0 +1,276 @@
+"""Reading a ``.kv`` file (spec: docs/FORMAT.md; the structures are in ``format``).
+
+* :func:`read_summary`: what an index needs, from the first bytes (a start-up scan).
+* :func:`read_meta`: header, payload header and section sizes, cross-checked; then the
+  sections: text, token ids (verified or a range), tool map, and the layers' pages
+  (:func:`read_layers_into`, each layer verified by its checksum).
+
+Every length is checked against its limit and the file size before anything is read or
+allocated for it; anything wrong raises :class:`~vllm_kvdisk.format.FormatError`. Pure:
+standard library and xxhash.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import xxhash
+
+from vllm_kvdisk.format import (
+    CHECKSUM,
+    FLAG_DELTA,
+    FLAG_TOOL_MAP,
+    HEADER,
+    MAX_KTM_BYTES,
+    MAX_LAYERS,
+    MAX_TEXT_BYTES,
+    PAGE_ALIGN,
+    PAYLOAD_FIXED,
+    PAYLOAD_MAGIC,
+    PAYLOAD_VERSION,
+    TEXT_LEN,
+    Encoded,
+    FormatError,
+    Header,
+    Offsets,
+    Payload,
+    UnsupportedFile,
+    compute_offsets,
+    decode_tool_map,
+    unpack_payload_fixed,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Meta:
+    """Everything about a checkpoint file except its text, token ids and pages."""
+
+    header: Header
+    payload: Payload
+    offsets: Offsets
+    text_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """What an index needs from a file, read from its first bytes only (start-up scans)."""
+
+    header: Header
+    parent_sha1: str | None
+    parent_tokens: int
+    token_digest: int
+    head: int  # xxh3-64 of the u32 LE ids of the first owned block
+    ids_at: int  # file offset of the token ids
+
+
+_SUMMARY = struct.Struct("<4sHH32s20sII")  # magic .. block size (prefix of PAYLOAD_FIXED)
+_LAYERS_AT = 4 + 2 + 2 + 32 + 20 + 4 + 4 + 4 + 4  # u32 layer count inside PAYLOAD_FIXED
+_DIGEST_AT = PAYLOAD_FIXED.size - 16
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+_NO_PARENT = bytes(20)
+
+
+def _pread_exact(fd: int, size: int, offset: int) -> bytes:
+    data = os.pread(fd, size, offset)
+    if len(data) != size:
+        raise FormatError(f"truncated file: wanted {size} bytes at {offset}, got {len(data)}")
+    return data
+
+
+def _read_opening(fd: int, file_size: int) -> tuple[Header, int, bytes]:
+    """Header and text length from the first page, checked against the file size and the
+    limits; returns (header, text length, the bytes read)."""
+    first = os.pread(fd, PAGE_ALIGN, 0)
+    header = Header.unpack(first)
+    if len(first) < HEADER.size + TEXT_LEN.size:
+        raise FormatError("truncated before the text length")
+    (text_len,) = TEXT_LEN.unpack_from(first, HEADER.size)
+    payload_at = HEADER.size + TEXT_LEN.size + text_len
+    if text_len > MAX_TEXT_BYTES or payload_at > file_size:
+        raise FormatError(f"text length {text_len} exceeds the file or the limit")
+    if payload_at + header.payload_bytes > file_size:
+        raise FormatError(f"file of {file_size} bytes is shorter than its sections")
+    return header, text_len, first
+
+
+def _read_span(fd: int, first: bytes, offset: int, size: int) -> bytes:
+    """``size`` bytes at ``offset``, from the first page when they lie inside it."""
+    if offset + size <= len(first):
+        return first[offset:offset + size]
+    return _pread_exact(fd, size, offset)
+
+
+def read_summary(fd: int, file_size: int) -> Summary:
+    """Header, parent, token digest and the first owned block's ids, checked for
+    consistency, in one or two reads; the full parse and every checksum happen when the
+    file is loaded. Raises FormatError like ``read_meta``. (The hot loop of a start-up
+    scan: kept free of helpers.)"""
+    header, text_len, buf = _read_opening(fd, file_size)
+    payload_at = HEADER.size + TEXT_LEN.size + text_len
+    base = 0
+    if payload_at + PAYLOAD_FIXED.size > len(buf):
+        # The payload header, the checksum table and the token ids follow each other: one
+        # read of that span holds what the first page did not.
+        span = min(header.payload_bytes,
+                   PAYLOAD_FIXED.size + CHECKSUM.size * (MAX_LAYERS + 1) + 4 * header.tokens)
+        buf, base = _pread_exact(fd, span, payload_at), payload_at
+    magic, version, fixed_len, _, parent, parent_tokens, block_size = _SUMMARY.unpack_from(
+        buf, payload_at - base)
+    if magic != PAYLOAD_MAGIC:
+        raise FormatError(f"bad payload magic {magic!r}")
+    if version != PAYLOAD_VERSION or fixed_len != PAYLOAD_FIXED.size:
+        raise UnsupportedFile(f"payload version {version}/{fixed_len}")
+    (layers,) = _U32.unpack_from(buf, payload_at - base + _LAYERS_AT)
+    has_parent = parent != _NO_PARENT
+    if (has_parent != bool(header.flags & FLAG_DELTA) or parent_tokens >= header.tokens
+            or has_parent != (parent_tokens > 0) or not 1 <= layers <= MAX_LAYERS
+            or not 1 <= block_size <= header.tokens or parent_tokens % block_size
+            or header.tokens % block_size):
+        raise FormatError("parent, block or layer fields inconsistent")
+    ids_at = payload_at + PAYLOAD_FIXED.size + CHECKSUM.size * (layers + 1)
+    head_at = ids_at + 4 * parent_tokens - base
+    if head_at + 4 * block_size > len(buf):
+        if base:
+            raise FormatError("token ids extend past the payload")
+        buf = _pread_exact(fd, 4 * block_size, ids_at + 4 * parent_tokens)
+        head_at = 0
+    head = xxhash.xxh3_64_intdigest(buf[head_at:head_at + 4 * block_size])
+    (digest,) = _U64.unpack_from(buf, payload_at - base + _DIGEST_AT)
+    return Summary(header, parent.hex() if has_parent else None, parent_tokens, digest,
+                   head, ids_at)
+
+
+def summary_of(encoded: Encoded) -> Summary:
+    """The summary of a checkpoint just encoded (what a scan would read back)."""
+    p = encoded.payload
+    return Summary(encoded.header, p.parent_sha1, p.parent_tokens, p.token_digest,
+                   encoded.head, encoded.offsets.tokens)
+
+
+def read_meta(fd: int, file_size: int) -> Meta:
+    """Parse and cross-check header, payload header and section sizes; no payload I/O."""
+    header, text_len, first = _read_opening(fd, file_size)
+    payload_at = HEADER.size + TEXT_LEN.size + text_len
+    fixed_end = payload_at + PAYLOAD_FIXED.size
+    payload = unpack_payload_fixed(_read_span(fd, first, payload_at, PAYLOAD_FIXED.size), header)
+    count = payload.layout.num_layers + 1
+    sums_raw = _read_span(fd, first, fixed_end, CHECKSUM.size * count)
+    payload = replace(payload, checksums=struct.unpack(f"<{count}Q", sums_raw))
+    offsets = compute_offsets(text_len, header.tokens, payload.layout, payload.num_blocks,
+                              payload.layout.num_layers, 0)
+    if offsets.ktm - offsets.payload != header.payload_bytes:
+        raise FormatError(f"payload bytes {header.payload_bytes} != layout's "
+                          f"{offsets.ktm - offsets.payload}")
+    ktm_len = file_size - offsets.ktm
+    if bool(header.flags & FLAG_TOOL_MAP) != (ktm_len > 0) or ktm_len < 0:
+        raise FormatError(f"file size {file_size} does not match its sections")
+    if ktm_len > MAX_KTM_BYTES:
+        raise FormatError(f"tool map of {ktm_len} bytes > {MAX_KTM_BYTES}")
+    if ktm_len:
+        offsets = compute_offsets(text_len, header.tokens, payload.layout, payload.num_blocks,
+                                  payload.layout.num_layers, ktm_len)
+    return Meta(header, payload, offsets, text_len)
+
+
+def read_text(fd: int, meta: Meta) -> bytes:
+    return _pread_exact(fd, meta.text_len, meta.offsets.text)
+
+
+def read_token_range(fd: int, ids_at: int, start: int, stop: int) -> bytes:
+    """Stored token ids ``[start, stop)`` (u32 LE), unverified: callers compare them with
+    the ids they expect, which is a stronger check than the checksum."""
+    return _pread_exact(fd, 4 * (stop - start), ids_at + 4 * start)
+
+
+def read_tokens(fd: int, meta: Meta) -> bytes:
+    """Token ids (u32 LE) after checking the head+tokens checksum."""
+    head_at = meta.offsets.payload
+    raw = _pread_exact(fd, meta.offsets.tokens - head_at + 4 * meta.header.tokens, head_at)
+    fixed = raw[:PAYLOAD_FIXED.size]
+    tokens = raw[meta.offsets.tokens - head_at:]
+    if xxhash.xxh3_64_intdigest(fixed + tokens) != meta.payload.checksums[0]:
+        raise FormatError("checksum mismatch in payload header or token ids")
+    return tokens
+
+
+#: iovecs per preadv call (Linux IOV_MAX).
+IOV_MAX = 1024
+
+
+def read_layers_into(fd: int, meta: Meta, first: int,
+                     outs: Sequence[memoryview | Sequence[memoryview]]) -> None:
+    """Read layers ``first, first+1, ...`` (one per item of ``outs``) and verify each
+    layer's checksum.
+
+    Each item is one byte buffer of exactly layer_bytes, or a list of byte buffers that
+    together hold exactly layer_bytes in file order (e.g. runs of the engine's own blocks,
+    so pages land where they are used with no extra copy). Consecutive layers are
+    contiguous in the file, so all of them are read by one preadv (batched by IOV_MAX):
+    few system calls, because inside a busy engine process every return from one waits
+    for the GIL. Then one hash pass per layer. On a checksum mismatch the buffers hold
+    unverified bytes: the caller must treat them as garbage.
+    """
+    want = meta.offsets.layer_bytes
+    layers = [[out] if isinstance(out, memoryview) else list(out) for out in outs]
+    for i, views in enumerate(layers):
+        have = sum(v.nbytes for v in views)
+        if have != want:
+            raise ValueError(f"buffers of {have} bytes for layer {first + i} of {want}")
+    if first < 0 or first + len(layers) > meta.payload.layout.num_layers:
+        raise ValueError(f"layers {first}..{first + len(layers) - 1} outside the file")
+    at = meta.offsets.layer(first)
+    pending = [v for views in layers for v in views if v.nbytes]
+    head = 0  # pending[head:] is still to read
+    while head < len(pending):
+        got = os.preadv(fd, pending[head:head + IOV_MAX], at)
+        if got <= 0:
+            raise FormatError(f"truncated file in layers {first}..{first + len(layers) - 1}")
+        at += got
+        while head < len(pending) and got >= pending[head].nbytes:  # complete buffers
+            got -= pending[head].nbytes
+            head += 1
+        if got:
+            pending[head] = pending[head][got:]
+    for i, views in enumerate(layers):
+        hasher = xxhash.xxh3_64()
+        for view in views:
+            hasher.update(view)
+        if hasher.intdigest() != meta.payload.checksums[first + i + 1]:
+            raise FormatError(f"checksum mismatch in layer {first + i}")
+
+
+def read_layer_into(fd: int, meta: Meta, layer: int, out: memoryview | Sequence[memoryview]) -> None:
+    """Read one layer's pages into ``out`` and verify its checksum (see read_layers_into)."""
+    read_layers_into(fd, meta, layer, [out])
+
+
+def pages_cached(fd: int, meta: Meta) -> bool:
+    """Whether the page range looks resident in the page cache: a non-blocking read of
+    one page at its start and at its end (RWF_NOWAIT) succeeds. Decides how to read: a
+    cached file is fastest read by several threads at once, a cold one by one sequential
+    stream (parallel streams defeat the disk's read-ahead). False where unsupported."""
+    nowait = getattr(os, "RWF_NOWAIT", None)
+    start, stop = meta.offsets.pages, meta.offsets.ktm
+    if nowait is None or stop <= start:
+        return False
+    probe = bytearray(1)
+    for at in (start, stop - 1):
+        try:
+            if os.preadv(fd, [probe], at, nowait) != 1:
+                return False
+        except OSError:  # EAGAIN: not resident; EOPNOTSUPP: the file system cannot say
+            return False
+    return True
+
+
+def read_tool_map(fd: int, meta: Meta) -> list[tuple[str, str]]:
+    size = meta.offsets.total - meta.offsets.ktm
+    if not size:
+        return []
+    raw = _pread_exact(fd, size, meta.offsets.ktm)
+    if xxhash.xxh3_64_intdigest(raw) != meta.payload.ktm_checksum:
+        raise FormatError("checksum mismatch in the tool map")
+    return decode_tool_map(raw)
