@@ -249,3 +249,21 @@ def test_a_huge_or_sparse_tool_map_is_rejected_before_it_is_read(tmp_path):
     finally:
         os.close(fd)
     assert MAX_KTM_BYTES < 1 << 30
+
+
+def test_summary_of_a_delta_whose_first_block_is_past_the_first_page(tmp_path):
+    """A short text but a deep parent: the head is read on its own, the digest is kept."""
+    from vllm_kvdisk.fileread import read_summary, summary_of
+
+    layout = PageLayout("cpu:LBHNC", 16, 1, (1, 16, 1), "float32")
+    ids = np.arange(2048, dtype="<u4")  # ids of a 2048-token prefix: 8 KiB, past 4 KiB
+    payload = Payload(bytes(32), "cd" * 20, 2032, 127, 1, layout, 99)
+    enc = encode_checkpoint(text=b"tiny", tokens=ids.tobytes(), layers=[bytes(64)],
+                            payload=payload, reason=Reason.EVICT, kv_dtype="float32",
+                            context_size=1, now=0)
+    raw = b"".join(bytes(b) for b in enc.buffers)
+    fd = write(tmp_path, raw)
+    try:
+        assert read_summary(fd, len(raw)) == summary_of(enc)
+    finally:
+        os.close(fd)

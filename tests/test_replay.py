@@ -263,46 +263,49 @@ FORCE_LONG = dict(FORCE, structured_outputs={"regex": re.escape(LONG_CALL)})
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("how", ["sigterm", "kill"])
-def test_a_call_returned_just_before_a_restart_replays_after_it(tiny_model, tmp_path, how):
-    """The server returns a tool call, the tool runs, the pod is redeployed: the next turn
-    comes to a new server. Before, the (id -> sampled text) pair reached disk only inside
-    the next request's checkpoint, so the turn was re-rendered and the hit fell back to
-    before the call. Now the pair is durable when the response leaves."""
+def test_a_call_returned_just_before_a_restart_replays_after_it(tiny_model, tmp_path):
+    """The server returns a tool call, the tool runs, the pod is redeployed (SIGTERM) or
+    dies (kill -9): the next turn comes to a new server. Before, the (id -> sampled text)
+    pair reached disk only inside the next request's checkpoint, so the turn was
+    re-rendered and the hit fell back to before the call. Now the pair is durable when
+    the response leaves."""
     kv, trace, log = str(tmp_path / "kv"), str(tmp_path / "trace.txt"), str(tmp_path / "log")
     server = Server(tiny_model, kv, log, *TOOL_ARGS, "--trace", trace)
+    turns = []
     try:
-        messages = first_turn(server)
-        p1 = tokenize(server, messages)
-        reply = server.chat(messages, max_tokens=600, **FORCE_LONG)
-        call = reply["choices"][0]["message"]["tool_calls"][0]
-        sampled = sampled_ids(reply)
-        assert len(sampled) > 100
-        if how == "sigterm":
-            assert server.stop()["rc"] == 0
-        else:  # kill -9 of every process of the server right after the response
-            time.sleep(1.0)
-            server.stop(kill=True)
-    finally:
-        server.stop()
-    server = Server(tiny_model, kv, log, *TOOL_ARGS, "--trace", trace)
-    try:
-        prompt2 = tokenize(server, turn_two(messages, call))
-        assert prompt2[:len(p1) + len(sampled)] == p1 + sampled  # replayed token for token
-        turn2 = server.chat(turn_two(messages, call), max_tokens=4, tools=TOOLS,
-                            return_token_ids=True)
-        assert replay_lines(trace)[-1] == "0 from memory, 1 from disk, 0 missing, 0 changed"
-        if how == "sigterm":  # the evict tail landed before the exit: the hit reaches into
-            # the call, up to the block floor of prompt + call - trim
-            tail = (len(p1) + len(sampled) - 32) // BLOCK * BLOCK
-            assert cached(turn2) >= tail > len(p1)
-        else:  # the tail may have died with the process; the prompt's own checkpoint holds
-            assert cached(turn2) >= (len(p1) - 32) // BLOCK * BLOCK
+        for how in ("sigterm", "kill"):
+            messages = first_turn(server) if not turns else turns[-1][0] + [
+                {"role": "user", "content": "And in Rome tomorrow? " + text(900, 40)}]
+            p1 = tokenize(server, messages)
+            reply = server.chat(messages, max_tokens=600, **FORCE_LONG)
+            call = reply["choices"][0]["message"]["tool_calls"][0]
+            sampled = sampled_ids(reply)
+            assert len(sampled) > 100
+            if how == "sigterm":
+                assert server.stop()["rc"] == 0
+            else:  # kill -9 of every process of the server right after the response
+                time.sleep(1.0)
+                server.stop(kill=True)
+            server = Server(tiny_model, kv, log, *TOOL_ARGS, "--trace", trace)
+            prompt2 = tokenize(server, turn_two(messages, call))
+            assert prompt2[:len(p1) + len(sampled)] == p1 + sampled  # replayed token for token
+            turn2 = server.chat(turn_two(messages, call), max_tokens=4, tools=TOOLS,
+                                return_token_ids=True)
+            # every call of the conversation comes back from the log, this one included
+            assert replay_lines(trace)[-1] == (f"0 from memory, {len(turns) + 1} from disk, "
+                                               "0 missing, 0 changed")
+            if how == "sigterm":  # the evict tail landed before the exit: the hit reaches
+                # into the call, up to the block floor of prompt + call - trim
+                tail = (len(p1) + len(sampled) - 32) // BLOCK * BLOCK
+                assert cached(turn2) >= tail > len(p1)
+            else:  # the tail may have died with the process; the prompt's own checkpoint holds
+                assert cached(turn2) >= (len(p1) - 32) // BLOCK * BLOCK
+            turns.append((turn_two(messages, call), prompt2, turn2))
     finally:
         server.stop()
     with engine(tiny_model, None, prefix_caching=False) as llm:  # exact: as without a cache
-        reference, _ = generate(llm, prompt2, max_tokens=4)
-    assert turn2["choices"][0]["token_ids"] == reference
+        for _, prompt2, turn2 in turns:
+            assert turn2["choices"][0]["token_ids"] == generate(llm, prompt2, max_tokens=4)[0]
 
 
 @pytest.mark.engine

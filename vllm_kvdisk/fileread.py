@@ -130,6 +130,7 @@ def read_summary(fd: int, file_size: int) -> Summary:
             or not 1 <= block_size <= header.tokens or parent_tokens % block_size
             or header.tokens % block_size):
         raise FormatError("parent, block or layer fields inconsistent")
+    (digest,) = _U64.unpack_from(buf, payload_at - base + _DIGEST_AT)
     ids_at = payload_at + PAYLOAD_FIXED.size + CHECKSUM.size * (layers + 1)
     head_at = ids_at + 4 * parent_tokens - base
     if head_at + 4 * block_size > len(buf):
@@ -138,7 +139,6 @@ def read_summary(fd: int, file_size: int) -> Summary:
         buf = _pread_exact(fd, 4 * block_size, ids_at + 4 * parent_tokens)
         head_at = 0
     head = xxhash.xxh3_64_intdigest(buf[head_at:head_at + 4 * block_size])
-    (digest,) = _U64.unpack_from(buf, payload_at - base + _DIGEST_AT)
     return Summary(header, parent.hex() if has_parent else None, parent_tokens, digest,
                    head, ids_at)
 

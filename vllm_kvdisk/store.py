@@ -294,6 +294,11 @@ class Store(BudgetMixin):
             except (FormatError, OSError) as exc:
                 exc.inode = st.st_ino  # type: ignore[union-attr]
                 return exc
+            except Exception as exc:  # noqa: BLE001 - a bug of ours, not proof of corruption
+                log.exception("kvdisk: cannot index %s.kv; leaving it alone", sha1)
+                found = UnsupportedFile(f"could not be indexed: {exc!r}")
+                found.inode = st.st_ino  # type: ignore[attr-defined]
+                return found
         except OSError as exc:
             return exc
         finally:
