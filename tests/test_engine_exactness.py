@@ -103,3 +103,27 @@ def test_disk_hit_extends_a_gpu_hit(tiny_model, tmp_path):
     chain = store.index.chain(deepest.ns, deepest.sha1)
     # 1408 is a delta on 640: its file owns blocks [5, 11) only, no duplicated pages.
     assert [(e.parent_tokens, e.tokens) for e in chain] == [(0, 640), (640, 1408)]
+
+
+def test_a_sibling_session_restores_past_the_grid_point_inside_the_first_ones_file(
+        tiny_model, tmp_path):
+    """ds4's grid (2048/32): session A's 3200-token prompt leaves checkpoints at 1920 (the
+    grid) and 3072 (its tail). Session B shares A's first 3000 tokens: it restores 2944,
+    the last whole block before it leaves A's tail file, not just the grid point 1920."""
+    kv, trace = str(tmp_path / "kv"), str(tmp_path / "trace.txt")
+    a = random_prompt(3200, seed=9)
+    b = a[:3000] + random_prompt(400, seed=10)
+    with engine(tiny_model, None, prefix_caching=False) as llm:
+        reference, _ = generate(llm, b)
+    with engine(tiny_model, kv, trace=trace, kv_cache_boundary_align_tokens=2048) as llm:
+        generate(llm, a)
+        llm.reset_prefix_cache()
+        tokens, cached = generate(llm, b)
+    assert cached == 2944 > 1920 and tokens == reference
+    hit = [e for e in events(trace, "hit")][-1]
+    assert "used up to token 2944 of 3072" in hit.detail
+    # B's own checkpoint branches off inside A's file: only B's new blocks were written.
+    store = Store(kv, space_bytes=1 << 40, readonly=True)
+    store.scan()
+    b_tail = max(store.index.entries(), key=lambda e: e.tokens)
+    assert (b_tail.parent_tokens, b_tail.tokens) == (2944, 3328)

@@ -5,7 +5,7 @@ import os
 import threading
 
 import pytest
-from engine import ALIGN, Server, events, shared_prefix
+from engine import ALIGN, Server, engine, events, generate, shared_prefix
 
 from vllm_kvdisk.keys import Grid
 
@@ -33,6 +33,7 @@ def test_four_turn_chat_with_a_restart_hits_the_tail(tiny_model, tmp_path):
     ds4_grid = ("--trace", trace, "--kv-cache-boundary-align-tokens", "2048")
     server = Server(tiny_model, kv, log, *ds4_grid)
     computed: list[int] = []  # token ids the server computed last turn (prompt + reply)
+    replies: list[tuple[list[int], list[int]]] = []  # (prompt ids, generated ids) per turn
     try:
         for turn in range(4):
             if turn == 2:  # restart between turns 2 and 3: the device cache is gone
@@ -54,6 +55,7 @@ def test_four_turn_chat_with_a_restart_hits_the_tail(tiny_model, tmp_path):
             if turn == 2:  # right after the restart: every cached token came from disk
                 assert disk_tokens(server) - before == cached
             generated = reply["choices"][0]["token_ids"]
+            replies.append((prompt, generated))
             computed = prompt + generated[:-1]  # the last sampled token has no KV yet
             messages += [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
                          {"role": "user", "content": text(1200 + 100 * turn, 80)}]
@@ -65,6 +67,9 @@ def test_four_turn_chat_with_a_restart_hits_the_tail(tiny_model, tmp_path):
         head = open(path, "rb").read(4096)
         assert head[:3] == b"KVC" and text(0, 30).encode() in head  # hexdump shows the prompt
     assert {"cold", "evict"} <= {e.reason for e in events(trace, "saved")}
+    with engine(tiny_model, None, prefix_caching=False) as llm:  # exact in every turn
+        for prompt, generated in replies:
+            assert generate(llm, prompt, max_tokens=len(generated))[0] == generated
 
 
 def test_sessions_evicted_from_the_device_cache_resume_from_disk(tiny_model, tmp_path):

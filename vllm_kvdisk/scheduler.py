@@ -51,7 +51,7 @@ REFRESH_INTERVAL_S = 2.0
 class Phase(Enum):
     """Where a request stands with the disk cache."""
 
-    NEW = "new"  # looked up (maybe), not admitted yet
+    NEW = "new"  # seen, not admitted yet
     LOADING = "loading"  # a load job is out; the request waits for finished_recving
     RUNNING = "running"  # computing (after a load, or without one)
     FAILED = "failed"  # its load failed: never offered the disk again
@@ -166,8 +166,8 @@ class SchedulerSide:
     @guarded("get_num_new_matched_tokens", lambda: (0, False))
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)
-        if st.phase is not Phase.NEW or request.prompt_token_ids is None:
-            return 0, False
+        if st.phase in (Phase.LOADING, Phase.FAILED) or request.prompt_token_ids is None:
+            return 0, False  # (a preempted request, back in the queue, may load again)
         usable = request.num_tokens - 1  # vLLM always computes at least one prompt token
         memo_key = (num_computed_tokens, usable)
         if not st.control.load:  # the request asked not to load: a miss, said as such
