@@ -1,12 +1,16 @@
 """Pieces the benchmark scripts share: the random model's shape and an engine to drive.
 
-Scripts import it as ``common`` (a script's own directory is on ``sys.path``). vLLM is
-imported inside the functions, so a script can set vLLM's environment variables first.
+Scripts import it as ``common`` (a script's own directory is on ``sys.path``). Engines and
+servers come from the shared harness (``vllm_kvdisk.harness``, the tests use it too);
+vLLM is imported when one is built, so a script can set vLLM's environment first.
 """
 
 from __future__ import annotations
 
-import gc
+from vllm_kvdisk.harness import close
+from vllm_kvdisk.harness import make_llm as _make_llm
+
+__all__ = ["close", "kv_bytes_per_token", "make_llm", "model_shape"]
 
 
 def model_shape(hidden: int, layers: int) -> dict[str, int]:
@@ -22,21 +26,6 @@ def kv_bytes_per_token(shape: dict[str, int]) -> int:
 
 def make_llm(model: str, kv_dir: str | None, **extra):
     """An engine on ``model`` (fp32, eager, prefix caching on), with kvdisk on ``kv_dir``
-    (a small grid for prompts of a few thousand tokens; ``extra`` adds config keys)."""
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    kwargs = {}
-    if kv_dir:
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="kvdisk", kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"kv_disk_dir": kv_dir, "kv_cache_min_tokens": 128,
-                                       "kv_cache_boundary_align_tokens": 256, **extra})
-    return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=16384,
-               enable_prefix_caching=True, **kwargs)
-
-
-def close(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+    (ds4's default grid, checkpoints from 128 tokens; ``extra`` adds config keys)."""
+    cfg = {"kv_cache_min_tokens": 128, **extra} if kv_dir else {}
+    return _make_llm(model, kv_dir, max_model_len=16384, **cfg)

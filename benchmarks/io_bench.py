@@ -1,6 +1,6 @@
 """Restore and save bandwidth of the worker's I/O path against the storage limit.
 
-    .venv/bin/python benchmarks/io_bench.py [--tokens 4096] [--layers 16] [--kv-heads 8]
+    .venv/bin/python benchmarks/io_bench.py [--tokens 4096] [--layers 16] [--chain-files 32]
 
 No engine: a KV cache tensor shaped like vLLM's (per layer [blocks, heads, 128, 2*head])
 is filled with random pages, saved through the worker's save path, and restored through
@@ -9,6 +9,10 @@ same run:
   * restore, page cache warm  vs  os.preadv of the file into a preallocated buffer
   * restore, cold (file dropped from the page cache with posix_fadvise)  vs  cold preadv
   * save (encode + write + fsync + rename)  vs  os.writev of the same bytes + fsync
+  * a long conversation's chain: the files a ``--turns``-turn conversation of these tokens
+    leaves on disk under the save rules (grid points, tails, each grid checkpoint a delta
+    on the previous one), restored in one load, against the single file of the same bytes
+    (target: within 1.2x); and a stress case, ``--chain-files`` equal slices
 The read limit is the best of three plain ways to read the file (one preadv call, 4 MiB
 calls in one thread, 4 MiB calls from every I/O thread on ranges of its own); rounds
 interleave the contenders. restore/limit near 1.0 means the path runs at the storage
@@ -33,6 +37,7 @@ from vllm_kvdisk.config import load_config
 from vllm_kvdisk.format import Reason
 from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta
 from vllm_kvdisk.keys import Fingerprint
+from vllm_kvdisk.planner import SavePlan
 from vllm_kvdisk.worker import WorkerSide
 
 BLOCK = 128
@@ -90,6 +95,36 @@ def raw_write(directory: str, data: list[memoryview], i: int) -> None:
         os.close(fd)
 
 
+def conversation_cuts(tokens: int, turns: int, align: int = 2048, trim: int = 32) -> list[int]:
+    """The file boundaries of the chain a conversation of ``tokens`` tokens in ``turns``
+    equal turns leaves under the save rules (ds4's grid with tails; each turn a cold save
+    of its prompt and an evict save of prompt + reply), as the scheduler plans them."""
+    from vllm_kvdisk.index import Entry, Index, head_digest
+    from vllm_kvdisk.keys import Grid, TokenTable, token_digest
+    from vllm_kvdisk.planner import Planner, Prompt
+    from vllm_kvdisk.saverules import SaveRules
+
+    rules = SaveRules(Grid(align, trim, BLOCK), min_tokens=BLOCK, cold_max=1 << 30,
+                      continued_interval=1 << 30)
+    ids = np.arange(tokens, dtype="<u4") % 4000
+    prompt = Prompt(TokenTable([bytes([i % 256]) for i in range(4000)]), ids)
+    index = Index()
+    planner = Planner(index, BLOCK, lambda e, a, b: ids[a:b])
+    step = tokens / turns
+    for turn in range(1, turns + 1):
+        end = int(step * turn)
+        due = rules.on_step(int(end - step / 4), 0, int(end - step / 4)) + rules.on_finished(end)
+        for length, reason in sorted(due):
+            spine = rules.grid.is_position if rules.grid.is_position(length) else None
+            plan = planner.plan_save("n", prompt, length, reason, spine=spine)
+            if plan is not None:
+                index.add(Entry("n", plan.sha1, length, plan.parent, plan.parent_tokens, reason,
+                                0, 0, 0, 1, token_digest(ids[:length]),
+                                head_digest(ids, plan.parent_tokens, BLOCK)))
+    chain = planner.lookup("n", ids, tokens).segments
+    return [0] + [s.upto for s in chain]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
@@ -98,6 +133,10 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--chain-files", type=int, default=32,
+                    help="files of the stress chain (each holds tokens/N of the prompt)")
+    ap.add_argument("--turns", type=int, default=60,
+                    help="turns of the conversation whose chain is restored")
     ap.add_argument("--verbose", action="store_true", help="print every round's save and write")
     args = ap.parse_args()
     blocks = args.tokens // BLOCK
@@ -109,20 +148,22 @@ def main() -> None:
                            "kv_disk_min_free_mb": 0})
         fp = Fingerprint("bench", "0", "float32", "cpu:LBHNC/bench", BLOCK, 1, 0)
         worker = WorkerSide(cfg, fp, BLOCK)
-        worker.register(layers)
+        worker.register_kv_caches(layers)
         ns = fp.dirname()
         src = list(range(blocks))
         ids = np.arange(args.tokens, dtype="<u4") % 4000
         kv_bytes = sum(t[:blocks].numel() * 4 for t in layers.values())
 
-        def save_once(i: int) -> str:
-            text = f"checkpoint {i} ".encode() + b"x" * args.tokens
+        def save_once(i: int, start: int = 0, stop: int = args.tokens,
+                      parent: str | None = None) -> str:
+            text = f"checkpoint {i} ".encode() + b"x" * stop
             sha1 = hashlib.sha1(text).hexdigest()
-            job = SaveJob("r", Scope(), sha1, args.tokens, None, 0, Reason.COLD, src,
-                          text, ids.tobytes(), 8192)
-            worker.copy_out_and_save(StepMeta(saves=[job]))
-            fut = worker._inflight.get(sha1)
-            if fut is not None and not fut.result():
+            plan = SavePlan(ns, sha1, stop, parent, start, Reason.COLD)
+            job = SaveJob("r", Scope(), plan, src[start // BLOCK:stop // BLOCK], text,
+                          ids[:stop].tobytes(), 8192)
+            worker.wait_for_save(StepMeta(saves=[job]))
+            inflight = worker._inflight.get(sha1)
+            if inflight is not None and not inflight[0].result():
                 raise SystemExit("save failed")
             return sha1
 
@@ -153,12 +194,26 @@ def main() -> None:
         size = os.path.getsize(path)
 
         target = list(range(blocks, 2 * blocks))
-        job = LoadJob("r", Scope(), [LoadFile(sha1, args.tokens, 0)], 0, target)
+        job = LoadJob("r", Scope(), [LoadFile(sha1, 0, args.tokens, args.tokens)], 0, target,
+                      ids.tobytes())
+        def chain_of(cuts: list[int]) -> tuple[LoadJob, list[str]]:
+            files, parent = [], None
+            for a, b in zip(cuts, cuts[1:]):
+                parent = save_once(next(counter), a, b, parent)
+                files.append(LoadFile(parent, a, b, b))
+            return (LoadJob("r", Scope(), files, 0, target, ids.tobytes()),
+                    [worker.store.path(ns, f.sha1) for f in files])
+
+        turns_cuts = conversation_cuts(args.tokens, args.turns)
+        talk_job, talk_paths = chain_of(turns_cuts)
+        n_files = max(1, min(args.chain_files, blocks))
+        chain_job, chain_paths = chain_of([round(i * blocks / n_files) * BLOCK
+                                           for i in range(n_files + 1)])
         buf = memoryview(np.ones(size, dtype=np.uint8))  # touched: no first-fault cost
         pool = ThreadPoolExecutor(args.threads)
 
-        def load() -> None:
-            if worker._load(job):
+        def load(which: LoadJob = job) -> None:
+            if worker._load(which):
                 raise SystemExit("restore failed")
 
         # Rounds interleave the restore and both baselines so drift hits all alike.
@@ -167,7 +222,9 @@ def main() -> None:
         contenders = {"raw 1 call": lambda: raw_read(path, buf, size),
                       "raw 1 thread": lambda: raw_read(path, buf, CHUNK),
                       f"raw {args.threads} threads": lambda: raw_read(path, buf, CHUNK, pool),
-                      "restore": load}
+                      "restore": load,
+                      f"{args.turns} turns": lambda: load(talk_job),
+                      f"chain of {n_files}": lambda: load(chain_job)}
         results: dict[str, dict[str, list[float]]] = {"warm": {}, "cold": {}}
         for fn in contenders.values():
             fn()  # warm-up
@@ -175,7 +232,10 @@ def main() -> None:
             for state in ("warm", "cold"):
                 for name, fn in contenders.items():
                     if state == "cold":
-                        drop_cache(path)
+                        for victim in [path, *talk_paths, *chain_paths]:
+                            drop_cache(victim)
+                    else:
+                        fn()  # its own files into the page cache (the cold rounds drop them)
                     t0 = time.perf_counter()
                     fn()
                     results[state].setdefault(name, []).append(time.perf_counter() - t0)
@@ -192,8 +252,12 @@ def main() -> None:
             med = {name: statistics.median(ts) for name, ts in results[state].items()}
             limit_name = min((n for n in med if n.startswith("raw")), key=med.get)
             parts = " | ".join(f"{n} {med[n] * 1e3:6.1f} ms {gb / med[n]:5.2f} GB/s" for n in med)
+            talk, chain_name = f"{args.turns} turns", f"chain of {n_files}"
             print(f"restore, {label}: {parts}\n  -> restore/limit ({limit_name}) "
-                  f"{med[limit_name] / med['restore']:.2f}")
+                  f"{med[limit_name] / med['restore']:.2f}; a {args.turns}-turn conversation's "
+                  f"chain ({len(turns_cuts) - 1} files) / one file {med[talk] / med['restore']:.2f}x "
+                  f"(target <= 1.2); stress: {n_files} equal files / one file "
+                  f"{med[chain_name] / med['restore']:.2f}x")
         print(f"save (write+fsync): {save_s * 1e3:7.1f} ms {gb / save_s:6.2f} GB/s | "
               f"raw writev+fsync {write_s * 1e3:7.1f} ms {gb / write_s:6.2f} GB/s | "
               f"save/limit (median of per-round ratios) {save_ratio:.2f}")

@@ -30,7 +30,6 @@ import threading
 import time
 
 import numpy as np
-
 from common import close, kv_bytes_per_token, make_llm, model_shape
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -56,19 +55,25 @@ class TokenBucket:
 
 
 def throttle_reads(bucket: TokenBucket | None) -> None:
-    """Make the worker's layer reads wait on ``bucket``; None undoes it."""
-    import vllm_kvdisk.format as fmt
-    import vllm_kvdisk.worker as worker_mod
+    """Make the restore path's layer reads wait on ``bucket``; None undoes it."""
+    import vllm_kvdisk.fileread as fmt
+    import vllm_kvdisk.restore as restore_mod
 
     if bucket is None:
-        worker_mod.read_layer_into = fmt.read_layer_into
+        restore_mod.read_layer_into = fmt.read_layer_into
+        restore_mod.read_layers_into = fmt.read_layers_into
         return
 
     def slow_layer(fd, meta, layer, out):
         fmt.read_layer_into(fd, meta, layer, out)
         bucket.take(meta.offsets.layer_bytes)
 
-    worker_mod.read_layer_into = slow_layer
+    def slow_layers(fd, meta, first, outs):
+        fmt.read_layers_into(fd, meta, first, outs)
+        bucket.take(meta.offsets.layer_bytes * len(outs))
+
+    restore_mod.read_layer_into = slow_layer
+    restore_mod.read_layers_into = slow_layers
 
 
 def first_token(llm, prompt: list[int]) -> tuple[float, int, int]:
@@ -81,9 +86,10 @@ def first_token(llm, prompt: list[int]) -> tuple[float, int, int]:
     return time.perf_counter() - t0, out.outputs[0].token_ids[0], out.num_cached_tokens or 0
 
 
-def count(trace: str, needle: str) -> int:
-    with open(trace) as f:
-        return sum(needle in line for line in f)
+def declined(trace_path: str) -> int:
+    from vllm_kvdisk.trace import read
+
+    return sum("cheaper to recompute" in e.detail for e in read(trace_path, ["miss"]))
 
 
 def main() -> None:
@@ -137,15 +143,15 @@ def main() -> None:
                 close(llm)
                 throttle_reads(None)
                 answers[(store, policy, len(rows))] = tokens
-                rows.append((store, policy, ttfts, cached, count(trace, "cheaper to recompute")))
+                rows.append((store, policy, ttfts, cached, declined(trace)))
         say(f"{'store':<16}{'policy':<8}{'TTFT per request (ms)':<36}{'total':>8}"
               f"{'tokens loaded':>15}{'declined':>10}")
         totals: dict[tuple[str, str], float] = {}
-        for store, policy, ttfts, cached, declined in rows:
+        for store, policy, ttfts, cached, n_declined in rows:
             per = " ".join(f"{t * 1e3:.0f}" for t in ttfts)
             totals[(store, policy)] = totals.get((store, policy), 0.0) + sum(ttfts)
             say(f"{store:<16}{policy:<8}{per:<36}{sum(ttfts) * 1e3:8.0f}{sum(cached):>15}"
-                  f"{declined:>10}")
+                  f"{n_declined:>10}")
         for store in dict.fromkeys(s for s, _ in totals):
             ratio = totals[(store, "always")] / totals[(store, "auto")]
             say(f"{store}: always/auto total TTFT over both runs = {ratio:.2f} "
