@@ -8,7 +8,8 @@ landed), and leaves explanations that read files to ``diagnose`` on a background
 
 Invariants:
 * ``get_num_new_matched_tokens`` answers from a memo of its own lookup; refreshing the
-  index (files other processes wrote or removed) is its only other effect.
+  index (files other processes wrote or removed; a new file proven corrupt is quarantined
+  then) is its only other effect.
 * A hit is always block-aligned, beyond what the GPU prefix cache holds, below the full
   prompt, and asynchronous. A request whose load failed is never offered the disk again.
 * Nothing a client or the storage can cause escapes a hook: it is counted

@@ -461,6 +461,12 @@ class Store(BudgetMixin):
                 return True
         return False
 
+    def forget(self, ns: str, sha1: str) -> None:
+        """Drop a file from the index only (stale or unreadable: the next refresh may find
+        it again)."""
+        with self._mutex:
+            self.index.remove(ns, sha1)
+
     def remove_file(self, ns: str, sha1: str) -> None:
         """Delete one checkpoint (an orphan nothing can load)."""
         with self._mutex:

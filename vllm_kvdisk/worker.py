@@ -152,7 +152,7 @@ class WorkerSide:
         self.stats.count("lookups", "load_failed:")
         if not isinstance(exc, FormatError):
             log.warning("kvdisk: load of %s skipped: %s", sha1, exc)
-            self.store.index.remove(ns, sha1)
+            self.store.forget(ns, sha1)
         with self._lock:
             self._report.removed.append((ns, sha1))
         self.trace.load_failed(sha1, str(exc), blocks)
