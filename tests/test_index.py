@@ -197,14 +197,14 @@ def test_grid_saves_rebase_on_the_grid_so_chains_stay_shallow():
     prompt = prompt_of(ids % 262)
     ids = prompt.ids
     for end in range(80, 1800, 80):  # 80 new tokens per turn
-        for pos in sorted({grid.floor(end), grid.block_floor(end - 32)} - {0}):
+        for pos in sorted({grid.floor(end), grid.block_floor(end)} - {0}):
             plan = planner.plan_save("n", prompt, pos, Reason.COLD,
                                      spine=grid.is_position if grid.is_position(pos) else None)
             if plan is not None:
                 d.add(plan.sha1, ids, pos, plan.parent, plan.parent_tokens)
     got = d.lookup(ids, 1800)
     ends = [s.upto for s in got.segments]
-    assert got.tokens == max(grid.floor(1760), grid.block_floor(1760 - 32))
+    assert got.tokens == max(grid.floor(1760), grid.block_floor(1760))
     on_grid = [e for e in ends if grid.is_position(e)]
     assert on_grid == grid.positions_upto(got.tokens)  # every grid point, in order
     assert len(ends) - len(on_grid) <= 256 // 80 + 1  # only the tails since the last one

@@ -24,20 +24,20 @@ def test_seed_example_grid_only_is_exactly_ds4():
     assert r.on_shutdown(10500) == [(10208, SHUT)]
 
 
-def test_tails_sit_at_the_block_floor_of_n_minus_trim_after_the_grid_point():
+def test_tails_sit_untrimmed_at_the_block_floor_of_n_after_the_grid_point():
     r = rules(block=128)
-    # A 10807-token prompt: grid 10112 (10240 - 32, floored to 128), tail floor(10775) = 10752.
+    # A 10807-token prompt: grid 10112 (10240 - 32, floored to 128), tail floor(10807) = 10752.
     assert r.on_step(10807, 0, 10807) == [(10112, COLD), (10752, COLD)]
     # prompt + 200 generated tokens: the evict tail covers the reply too.
     assert r.on_finished(11006) == [(10112, EVICT), (10880, EVICT)]
     assert r.on_shutdown(4000) == [(3968, SHUT)]  # grid (4064 floored) and tail coincide
-    assert r.on_shutdown(5000) == [(3968, SHUT), (4864, SHUT)]
+    assert r.on_shutdown(5000) == [(3968, SHUT), (4992, SHUT)]  # not 4864: no trim
 
 
 def test_no_position_below_min_tokens_and_cold_only_up_to_cold_max():
     r = rules(block=16)
     assert r.on_step(400, 0, 400) == []  # below kv_cache_min_tokens (512)
-    assert r.on_step(600, 0, 600) == [(560, COLD)]  # no grid point yet: the tail alone
+    assert r.on_step(600, 0, 600) == [(592, COLD)]  # no grid point yet: the tail alone
     assert rules(block=16, cold_max=2000).on_step(2500, 0, 2500) == []
     assert rules(block=16, cold_max=2400).on_step(2500, 0, 2500) == [(2016, COLD)]
 
@@ -45,7 +45,7 @@ def test_no_position_below_min_tokens_and_cold_only_up_to_cold_max():
 def test_cold_only_in_the_step_that_completes_the_prefill():
     r = rules(block=16)
     assert r.on_step(5000, 0, 2048) == []  # a chunk of a longer prefill
-    assert r.on_step(5000, 4096, 5000) == [(4064, COLD), (4960, COLD)]
+    assert r.on_step(5000, 4096, 5000) == [(4064, COLD), (4992, COLD)]
     assert r.on_step(5000, 5000, 5001) == []  # decoding
 
 
@@ -63,6 +63,6 @@ def test_positions_are_ascending_and_distinct():
     for n in range(560, 9000, 97):
         got = [p for p, _ in r.on_step(n, 0, n)]
         assert got == sorted(set(got)) and all(p % 16 == 0 and 512 <= p <= n for p in got)
-        assert ((n - 32) // 16) * 16 in got  # the tail
+        assert (n // 16) * 16 in got  # the tail, untrimmed
         assert rules(tails=False, block=16).on_step(n, 0, n) == [
             (p, c) for p, c in r.on_step(n, 0, n) if p == r.grid.floor(n)]

@@ -50,12 +50,12 @@ class KVDiskConfig:
         10000, "a continued checkpoint each time computed tokens cross a multiple of this",
         minimum=1)
     kv_cache_boundary_trim_tokens: int = knob(
-        32, "grid positions are k*align - trim and tails n - trim, rounded down to the KV "
-        "block size", minimum=0)
+        32, "grid positions are k*align - trim, rounded down to the KV block size (tails are "
+        "not trimmed)", minimum=0)
     kv_cache_boundary_align_tokens: int = knob(2048, "checkpoint grid step", minimum=1)
     kv_cache_tail_checkpoints: bool = knob(
-        True, "also save at the block floor of n - trim (the prompt for cold, prompt + "
-        "generated for evict and shutdown) as a delta on the grid; off: exactly ds4's grid")
+        True, "also save at the block floor of n (the prompt for cold, prompt + generated for "
+        "evict and shutdown) as a delta on the grid; off: exactly ds4's grid")
     tool_memory_max_ids: int = knob(100000, "size of the tool-call replay map (LRU; 0 turns "
                                     "replay off)", minimum=0)
     kv_cache_reject_different_quant: bool = knob(

@@ -8,10 +8,15 @@ conversations meet, so they stay.
 
 Because our files are deltas, a checkpoint where the conversation actually is costs only
 its new blocks. With ``tails`` on (the default), cold, evict and shutdown saves also write
-a **tail** checkpoint at the block floor of ``n - trim``: the prompt for cold, the computed
-tokens (prompt + generated) for evict and shutdown. A resumed conversation then restores
-everything but its last ``trim`` tokens (plus less than a block), wherever the grid is.
-With ``tails`` off the rules are exactly ds4's.
+a **tail** checkpoint at the block floor of ``n``: the prompt for cold, the computed
+tokens (prompt + generated) for evict and shutdown. A tail is not trimmed: ds4 trims so
+that a checkpoint ends before the tokens a continuation re-renders differently (the
+generation prompt, a closing tag, a BPE merge across the boundary), because its files hit
+only whole. Our lookup restores any stored prefix up to the first token that differs, so
+an untrimmed tail is never worse than a trimmed one, and reaches the tokens a trimmed one
+would leave to prefill (a returned tool call, the end of a reply). A resumed conversation
+restores everything the server computed up to the first re-rendered token, less than a
+block short at most. With ``tails`` off the rules are exactly ds4's.
 
 Every position is at least ``min_tokens``; cold positions are at most ``cold_max``.
 Positions come out ascending, so a tail is planned after (and as a delta on) the grid
@@ -38,7 +43,7 @@ class SaveRules:
         """Where a checkpoint of the first ``tokens`` computed tokens goes."""
         out = [self.grid.floor(tokens)]
         if self.tails:
-            out.append(self.grid.block_floor(tokens - self.grid.trim))
+            out.append(self.grid.block_floor(tokens))
         return sorted({p for p in out if p >= self.min_tokens and p > 0})
 
     def on_step(self, prompt_tokens: int, before: int, after: int) -> list[tuple[int, Reason]]:
