@@ -108,7 +108,7 @@ def test_disk_hit_extends_a_gpu_hit(tiny_model, tmp_path):
 def test_a_sibling_session_restores_past_the_grid_point_inside_the_first_ones_file(
         tiny_model, tmp_path):
     """ds4's grid (2048/32): session A's 3200-token prompt leaves checkpoints at 1920 (the
-    grid) and 3072 (its tail). Session B shares A's first 3000 tokens: it restores 2944,
+    grid) and 3200 (its untrimmed tail). Session B shares A's first 3000 tokens: it restores 2944,
     the last whole block before it leaves A's tail file, not just the grid point 1920."""
     kv, trace = str(tmp_path / "kv"), str(tmp_path / "trace.txt")
     a = random_prompt(3200, seed=9)
@@ -121,7 +121,7 @@ def test_a_sibling_session_restores_past_the_grid_point_inside_the_first_ones_fi
         tokens, cached = generate(llm, b)
     assert cached == 2944 > 1920 and tokens == reference
     hit = [e for e in events(trace, "hit")][-1]
-    assert "used up to token 2944 of 3072" in hit.detail
+    assert "used up to token 2944 of 3200" in hit.detail
     # B's own checkpoint branches off inside A's file: only B's new blocks were written.
     store = Store(kv, space_bytes=1 << 40, readonly=True)
     store.scan()
