@@ -385,6 +385,10 @@ class SchedulerSide:
         report = output.kv_connector_worker_meta
         if not isinstance(report, WorkerReport):
             return
+        for req_id in report.failed_loads:  # vLLM re-queues it to recompute: no new load
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.phase = Phase.FAILED
         index = self.store.index
         for entry in report.written:
             index.add(entry)

@@ -284,6 +284,8 @@ class WorkerSide:
                     bad = job.block_ids
                 if bad:
                     self._load_errors.update(bad)
+                    with self._lock:  # in the same step as finished_recving
+                        self._report.failed_loads.append(req_id)
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
