@@ -55,7 +55,7 @@ class Phase(Enum):
     NEW = "new"  # seen, not admitted yet
     LOADING = "loading"  # a load job is out; the request waits for finished_recving
     RUNNING = "running"  # computing (after a load, or without one)
-    FAILED = "failed"  # its load failed: never offered the disk again
+    FAILED = "failed"  # running after a failed load: never offered the disk again, saves as usual
 
 
 @dataclass(slots=True)
@@ -335,7 +335,7 @@ class SchedulerSide:
         try:
             for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
                 st = self._reqs.get(req_id)
-                if st is None or st.phase in (Phase.FAILED, Phase.LOADING):
+                if st is None or st.phase is Phase.LOADING:
                     continue
                 request = st.request
                 before = request.num_computed_tokens
@@ -355,7 +355,7 @@ class SchedulerSide:
         """Shutdown saves: every running request's computed prefix, in case the drain
         that follows does not finish before the engine is killed."""
         for req_id, st in self._reqs.items():
-            if st.phase is not Phase.RUNNING:
+            if st.phase not in (Phase.RUNNING, Phase.FAILED):
                 continue
             due = self.rules.on_shutdown(st.request.num_computed_tokens)
             if due:
@@ -364,7 +364,7 @@ class SchedulerSide:
     @guarded("request_finished", lambda: (False, None))
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         st = self._reqs.pop(request.request_id, None)
-        if st is None or st.phase in (Phase.LOADING, Phase.FAILED):
+        if st is None or st.phase is Phase.LOADING:
             # A request aborted mid-load is released by its finished_recving, never here.
             return False, None
         computed = min(request.num_computed_tokens, len(block_ids) * self.block_size)
