@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 CORE = ["config", "keys", "format", "index", "saverules", "planner", "fsdir", "store",
-        "verify", "cli", "trace", "control", "toolmap", "identity", "diagnose", "policy",
+        "verify", "cli", "trace", "control", "lifecycle", "toolmap", "identity", "diagnose", "policy",
         "replay", "staging", "logs", "tokens"]
 
 

@@ -11,7 +11,8 @@ Invariants:
   index (files other processes wrote or removed; a new file proven corrupt is quarantined
   then) is its only other effect.
 * A hit is always block-aligned, beyond what the GPU prefix cache holds, below the full
-  prompt, and asynchronous. A request whose load failed is never offered the disk again.
+  prompt, and asynchronous. When a request may load or save is ``lifecycle``'s to say
+  (a request whose load failed is never offered the disk again).
 * Nothing a client or the storage can cause escapes a hook: it is counted
   (``vllm:kvdisk_errors_total{hook}``), logged, and the request is served without the cache.
   A request that was promised a load always gets a load job (possibly one that fails at
@@ -22,8 +23,6 @@ from __future__ import annotations
 
 import signal
 import time
-from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -36,10 +35,11 @@ from vllm_kvdisk.format import Reason
 from vllm_kvdisk.index import Lookup, Miss
 from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta, WorkerReport
 from vllm_kvdisk.keys import Fingerprint, Grid, TokenTable, as_token_array, salt_digest
+from vllm_kvdisk.lifecycle import RequestState
 from vllm_kvdisk.logs import get_logger
 from vllm_kvdisk.metrics import KVDiskStats, StatsRecorder, guarded
 from vllm_kvdisk.planner import Planner, Prompt
-from vllm_kvdisk.policy import Decision, LoadCostModel
+from vllm_kvdisk.policy import LoadCostModel
 from vllm_kvdisk.saverules import SaveRules
 from vllm_kvdisk.store import Store
 from vllm_kvdisk.trace import Trace
@@ -47,28 +47,6 @@ from vllm_kvdisk.trace import Trace
 log = get_logger(__name__)
 
 REFRESH_INTERVAL_S = 2.0
-
-
-class Phase(Enum):
-    """Where a request stands with the disk cache."""
-
-    NEW = "new"  # seen, not admitted yet
-    LOADING = "loading"  # a load job is out; the request waits for finished_recving
-    RUNNING = "running"  # computing (after a load, or without one)
-    FAILED = "failed"  # running after a failed load: never offered the disk again, saves as usual
-
-
-@dataclass(slots=True)
-class _Req:
-    request: Any
-    scope: Scope
-    ns: str
-    control: RequestControl
-    phase: Phase = Phase.NEW
-    memo_key: tuple[int, int] | None = None
-    memo: Lookup | None = None
-    memo_ids: np.ndarray | None = None
-    declined: Decision | None = None  # the load policy found recomputing cheaper
 
 
 class SchedulerSide:
@@ -97,7 +75,7 @@ class SchedulerSide:
         self.diagnostics = Diagnostics()
         self.cost = LoadCostModel()
         self.events = DiskEvents(events, block_size)
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, RequestState] = {}
         self._loads: list[LoadJob] = []
         self._saves: list[SaveJob] = []
         self._ns_cache: dict[tuple[str, str], str] = {}
@@ -140,14 +118,14 @@ class SchedulerSide:
             self._ns_cache[key] = self.base_fp.scoped(scope.lora, scope.salt_digest).dirname()
         return self._ns_cache[key]
 
-    def _state(self, request: Any) -> _Req:
+    def _state(self, request: Any) -> RequestState:
         st = self._reqs.get(request.request_id)
         if st is None:
             lora = getattr(request, "lora_request", None)
             scope = Scope(lora=(getattr(lora, "lora_name", "") or "") if lora else "",
                           salt_digest=salt_digest(getattr(request, "cache_salt", None)))
             control = RequestControl.from_request(request)
-            st = _Req(request, scope, self._ns(scope), control)
+            st = RequestState(request, scope, self._ns(scope), control)
             self._reqs[request.request_id] = st
         return st
 
@@ -167,8 +145,8 @@ class SchedulerSide:
     @guarded("get_num_new_matched_tokens", lambda: (0, False))
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)
-        if st.phase in (Phase.LOADING, Phase.FAILED) or request.prompt_token_ids is None:
-            return 0, False  # (a preempted request, back in the queue, may load again)
+        if not st.may_load or request.prompt_token_ids is None:
+            return 0, False
         usable = request.num_tokens - 1  # vLLM always computes at least one prompt token
         memo_key = (num_computed_tokens, usable)
         if not st.control.load:  # the request asked not to load: a miss, said as such
@@ -186,7 +164,7 @@ class SchedulerSide:
             return 0, False
         return hit - num_computed_tokens, True
 
-    def _apply_policy(self, st: _Req, num_computed: int) -> None:
+    def _apply_policy(self, st: RequestState, num_computed: int) -> None:
         """Cut the chain to the part that is cheaper to load than to recompute (a file is
         read whole even when only part of it is used)."""
         lookup = st.memo
@@ -208,13 +186,11 @@ class SchedulerSide:
             return
         lookup, ids = st.memo, st.memo_ids
         on_device = st.memo_key[0] if st.memo_key else 0
-        st.memo = st.memo_key = st.memo_ids = None
+        st.admitted(loading=num_external_tokens > 0)
         if num_external_tokens <= 0:
-            st.phase = Phase.RUNNING
             self.stats.add("tokens_looked_up", request.num_prompt_tokens)
             self._record_no_load(st, lookup, ids, on_device)
             return
-        st.phase = Phase.LOADING
         hit = lookup.tokens
         local = hit - num_external_tokens
         bs = self.block_size
@@ -248,7 +224,7 @@ class SchedulerSide:
 
             self.diagnostics.submit(trace_hit)
 
-    def _record_no_load(self, st: _Req, lookup: Lookup, ids: np.ndarray | None,
+    def _record_no_load(self, st: RequestState, lookup: Lookup, ids: np.ndarray | None,
                         on_device: int) -> None:
         if lookup.segments and lookup.tokens <= on_device:
             self.stats.count("lookups", "device_hit:")
@@ -281,7 +257,7 @@ class SchedulerSide:
             self.stats.count("lookups", f"miss:{miss.label}")
 
     # -- saves ------------------------------------------------------------------------
-    def _plan_saves(self, st: _Req, due: list[tuple[int, Reason]], block_ids: list[int],
+    def _plan_saves(self, st: RequestState, due: list[tuple[int, Reason]], block_ids: list[int],
                     release: bool = False) -> bool:
         """Plan the due saves of one request; True if any was planned."""
         request = st.request
@@ -335,7 +311,7 @@ class SchedulerSide:
         try:
             for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
                 st = self._reqs.get(req_id)
-                if st is None or st.phase is Phase.LOADING:
+                if st is None or not st.may_save:
                     continue
                 request = st.request
                 before = request.num_computed_tokens
@@ -355,7 +331,7 @@ class SchedulerSide:
         """Shutdown saves: every running request's computed prefix, in case the drain
         that follows does not finish before the engine is killed."""
         for req_id, st in self._reqs.items():
-            if st.phase not in (Phase.RUNNING, Phase.FAILED):
+            if not st.computing:
                 continue
             due = self.rules.on_shutdown(st.request.num_computed_tokens)
             if due:
@@ -364,7 +340,7 @@ class SchedulerSide:
     @guarded("request_finished", lambda: (False, None))
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         st = self._reqs.pop(request.request_id, None)
-        if st is None or st.phase is Phase.LOADING:
+        if st is None or not st.may_save:
             # A request aborted mid-load is released by its finished_recving, never here.
             return False, None
         computed = min(request.num_computed_tokens, len(block_ids) * self.block_size)
@@ -376,19 +352,19 @@ class SchedulerSide:
     def update_connector_output(self, output: Any) -> None:
         for req_id in output.finished_recving or ():
             st = self._reqs.get(req_id)
-            if st is not None and st.phase is Phase.LOADING:
-                st.phase = Phase.RUNNING
+            if st is not None:
+                st.load_finished()
         for req_id in getattr(output, "failed_recving", None) or ():
             st = self._reqs.get(req_id)
             if st is not None:
-                st.phase = Phase.FAILED
+                st.load_failed()
         report = output.kv_connector_worker_meta
         if not isinstance(report, WorkerReport):
             return
         for req_id in report.failed_loads:  # vLLM re-queues it to recompute: no new load
             st = self._reqs.get(req_id)
             if st is not None:
-                st.phase = Phase.FAILED
+                st.load_failed()
         index = self.store.index
         for entry in report.written:
             index.add(entry)
