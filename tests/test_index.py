@@ -181,6 +181,26 @@ def test_ties_go_to_older_last_use_and_hits_decay():
     assert score(hot, HALF_LIFE_S) == (4 + 1) * 48 / 1000
 
 
+def test_files_of_one_model_go_least_recently_used_first_whatever_their_text_length():
+    """Same tokens, sizes a page of text apart, all written within one second: the
+    score (tokens per byte) differs by 0.1%, which used to decide, so the newest file
+    went first (a full volume then evicted what the next turn needed)."""
+    idx = Index()
+    sizes = {"first": 3678208, "second": 3682304, "third": 3682304, "newest": 3678208}
+    for n, (name, size) in enumerate(sizes.items()):
+        idx.add(Entry("n", name, 896, None, 0, Reason.COLD, 0, 100, 100, size, 0, 0,
+                      used_ns=100 * 10**9 + n * 1000))
+    three = sizes["first"] + sizes["second"] + sizes["third"]
+    plan = idx.plan_eviction(three, now=100)
+    assert [e.sha1 for e in plan] == ["first", "second", "third"]
+    # A hit still outweighs recency: a used file outlives a newer unused one.
+    idx.get("n", "first").hits = 1
+    assert [e.sha1 for e in idx.plan_eviction(1, now=100)] == ["second"]
+    # A far better tokens-per-byte (another model) still outweighs recency too.
+    idx.add(Entry("m", "dense", 896, None, 0, Reason.COLD, 0, 0, 0, 3678208 // 4, 0, 0))
+    assert "dense" not in {e.sha1 for e in idx.plan_eviction(three, now=100)}
+
+
 def test_grid_saves_rebase_on_the_grid_so_chains_stay_shallow():
     """A conversation growing turn by turn: tails chain on each other between grid points,
     and each grid checkpoint is a delta on the previous grid checkpoint, not on the tails,

@@ -54,7 +54,8 @@ class BudgetMixin:
             if state is None:
                 raise OSError(errno.ENOENT, f"cannot create namespace {ns}")
             dir_fd = os.dup(state.fd)  # ours until the end, whatever happens to the cache
-        entry = entry_of(ns, sha1, summary_of(encoded), encoded.size, 0)
+        entry = entry_of(ns, sha1, summary_of(encoded), encoded.size, 0,
+                         used_ns=int(self.clock() * 1e9))
         try:
             with fsdir.TempFile(dir_fd, f"{sha1}.kv") as tmp:
                 try:

@@ -26,6 +26,7 @@ decisions; ``store.Store`` executes them.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Iterable, Sequence
@@ -37,6 +38,7 @@ from vllm_kvdisk.fileread import Summary
 from vllm_kvdisk.format import Reason
 
 HALF_LIFE_S = 6 * 3600
+SCORE_STEP = 1.25  # eviction scores within one step are ties (then LRU)
 MAX_WALK_STEPS = 512  # candidate checks per lookup: bounds what hostile trees can cost
 
 Key = tuple[str, str]  # (namespace, sha1)
@@ -60,6 +62,7 @@ class Entry:
     ids_at: int = 0  # file offset of the stored token ids
     inode: int = 0  # identity of the file on disk (a replaced file has a new inode)
     pending: bool = False  # a save in flight: no file yet
+    used_ns: int = 0  # last use (or the file's mtime) in ns: orders equal scores
     ids: np.ndarray | None = field(default=None, repr=False)  # pending saves: their ids
 
     @property
@@ -67,12 +70,14 @@ class Entry:
         return (self.ns, self.sha1)
 
 
-def entry_of(ns: str, sha1: str, summary: Summary, size: int, inode: int) -> Entry:
-    """The index entry of a file, from what a scan reads or a writer just encoded."""
+def entry_of(ns: str, sha1: str, summary: Summary, size: int, inode: int,
+             used_ns: int = 0) -> Entry:
+    """The index entry of a file, from what a scan reads or a writer just encoded
+    (``used_ns``: the file's mtime, or the time of the write)."""
     h = summary.header
     return Entry(ns, sha1, h.tokens, summary.parent_sha1, summary.parent_tokens, h.reason,
                  h.hits, h.created, h.last_used, size, summary.token_digest, summary.head,
-                 summary.ids_at, inode)
+                 summary.ids_at, inode, used_ns=used_ns)
 
 
 def head_digest(ids: np.ndarray, start: int, block_size: int) -> int:
@@ -137,6 +142,14 @@ def score(entry: Entry, now: float) -> float:
     age = max(0.0, now - entry.last_used)
     decayed = entry.hits * 0.5 ** (age / HALF_LIFE_S)
     return (decayed + 1.0) * entry.tokens / max(1, entry.size)
+
+
+def eviction_key(entry: Entry, now: float) -> tuple[int, int]:
+    """Eviction order: the score in steps of SCORE_STEP (so files of one model, whose
+    tokens per byte differ by a little text, count as equal), then least recently used
+    (the header's seconds, or the ns the index saw it used or written)."""
+    rank = math.floor(math.log(max(score(entry, now), 1e-300), SCORE_STEP))
+    return rank, max(entry.used_ns, entry.last_used * 1_000_000_000)
 
 
 def common_blocks(a: np.ndarray, b: np.ndarray, block_size: int) -> int:
@@ -391,7 +404,7 @@ class Index:
             keep.add(entry.key)
             if entry.parent and entry.sha1 not in self._children.get((entry.ns, entry.parent), ()):
                 kids[(entry.ns, entry.parent)] = kids.get((entry.ns, entry.parent), 0) + 1
-        heap = [(score(e, now), e.last_used, e.ns, e.sha1) for e in self._entries.values()
+        heap = [(*eviction_key(e, now), e.ns, e.sha1) for e in self._entries.values()
                 if not kids.get(e.key) and e.key not in keep]
         heapq.heapify(heap)
         plan: list[Entry] = []
@@ -406,5 +419,5 @@ class Index:
                 kids[pkey] = kids.get(pkey, 1) - 1
                 parent = self._entries.get(pkey)
                 if parent is not None and kids[pkey] == 0 and pkey not in keep:
-                    heapq.heappush(heap, (score(parent, now), parent.last_used, ns, parent.sha1))
+                    heapq.heappush(heap, (*eviction_key(parent, now), ns, parent.sha1))
         return plan

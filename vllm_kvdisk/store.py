@@ -279,8 +279,9 @@ class Store(BudgetMixin):
         return True
 
     @staticmethod
-    def _read_one(dir_fd: int, sha1: str) -> tuple[Summary, int, int] | Exception | None:
-        """(summary, size, inode) of one file, the exception it raised, or None if gone."""
+    def _read_one(dir_fd: int, sha1: str) -> tuple[Summary, int, int, int] | Exception | None:
+        """(summary, size, inode, mtime ns) of one file, the exception it raised, or None
+        if gone."""
         try:
             fd = os.open(f"{sha1}.kv", os.O_RDONLY | fsdir.NOFOLLOW, dir_fd=dir_fd)
         except FileNotFoundError:
@@ -290,7 +291,7 @@ class Store(BudgetMixin):
         try:
             st = os.fstat(fd)
             try:
-                return read_summary(fd, st.st_size), st.st_size, st.st_ino
+                return read_summary(fd, st.st_size), st.st_size, st.st_ino, st.st_mtime_ns
             except (FormatError, OSError) as exc:
                 exc.inode = st.st_ino  # type: ignore[union-attr]
                 return exc
@@ -330,8 +331,8 @@ class Store(BudgetMixin):
             return True
         if isinstance(found, OSError):
             return self._unreadable(ns, sha1, found)
-        summary, size, inode = found
-        self.index.add(entry_of(ns, sha1, summary, size, inode))
+        summary, size, inode, mtime_ns = found
+        self.index.add(entry_of(ns, sha1, summary, size, inode, mtime_ns))
         return True
 
     def _unreadable(self, ns: str, sha1: str, exc: OSError) -> bool:
@@ -394,7 +395,8 @@ class Store(BudgetMixin):
     def touch(self, ns: str, sha1: str) -> None:
         """A hit: bump the hit count and last-used time, in the index and in place on disk."""
         entry = self.index.get(ns, sha1)
-        now = int(self.clock())
+        now_s = self.clock()
+        now = int(now_s)
         try:
             fd = self.open_file(ns, sha1, writable=True)
         except OSError:
@@ -413,6 +415,7 @@ class Store(BudgetMixin):
             with self._mutex:
                 entry.hits += 1
                 entry.last_used = now
+                entry.used_ns = int(now_s * 1e9)
 
     # -- quarantine -------------------------------------------------------------------
     def quarantine(self, ns: str, sha1: str, why: str, *, inode: int | None = None) -> bool:
