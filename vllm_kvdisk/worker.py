@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,7 @@ from vllm_kvdisk.transfer import PageMover, pinned_buffer, unique_layers
 log = get_logger(__name__)
 
 FINISHED_MEMORY_STEPS = 4  # finished ids are kept this many steps for a late save job
+IDLE_LOAD_WAIT_S = 0.005  # an empty step waits this long for a load to finish
 
 
 class WorkerSide:
@@ -72,6 +73,7 @@ class WorkerSide:
         self._finished: deque[set[str]] = deque(maxlen=FINISHED_MEMORY_STEPS)
         self._inflight: dict[str, tuple[Future, SaveJob]] = {}
         self._step: tuple[int, float] = (0, 0.0)  # (tokens, start) of the step in flight
+        self._idle_step = False  # the step in flight computes nothing (it only polls)
 
     # -- setup ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -169,6 +171,7 @@ class WorkerSide:
     # -- step timing (for the cost-aware load policy) ---------------------------------
     def bind_connector_metadata(self, meta: StepMeta) -> None:
         self._step = (meta.step_tokens, time.perf_counter())
+        self._idle_step = meta.step_tokens == 0
 
     def _step_computed(self) -> None:
         tokens, started = self._step
@@ -268,6 +271,12 @@ class WorkerSide:
 
     # -- step results -----------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._idle_step and self._loads:
+            # Nothing else runs in this step: sleep on the loads (a little) instead of
+            # letting the engine spin through empty steps, which takes the cores the reads
+            # need. A request arriving meanwhile waits at most IDLE_LOAD_WAIT_S.
+            wait([fut for fut, _ in self._loads.values()], timeout=IDLE_LOAD_WAIT_S,
+                 return_when=FIRST_COMPLETED)
         self._finished.append(set(finished_req_ids))
         recent = set().union(*self._finished)
         sending = self._held & recent
