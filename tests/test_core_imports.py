@@ -3,9 +3,9 @@
 import subprocess
 import sys
 
-CORE = ["config", "keys", "format", "index", "saverules", "planner", "fsdir", "store",
-        "verify", "cli", "trace", "control", "lifecycle", "toolmap", "identity", "diagnose", "policy",
-        "replay", "staging", "logs", "tokens"]
+CORE = ["config", "keys", "format", "index", "saverules", "planner", "fsdir", "scan",
+        "store", "verify", "cli", "trace", "control", "lifecycle", "toolmap", "identity",
+        "diagnose", "policy", "replay", "replay_capture", "staging", "logs", "tokens"]
 
 
 def test_core_imports_without_vllm_or_torch():

@@ -24,7 +24,8 @@ from typing import Any, Callable, Sequence
 from vllm_kvdisk.fileread import read_meta, read_tool_map
 from vllm_kvdisk.format import DTYPE_NAMES, FLAG_DELTA, FLAG_TOOL_MAP, FormatError
 from vllm_kvdisk.index import Entry
-from vllm_kvdisk.store import KV_NAME, Store
+from vllm_kvdisk.scan import KV_NAME
+from vllm_kvdisk.store import Store
 from vllm_kvdisk.verify import verify
 
 

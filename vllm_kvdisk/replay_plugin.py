@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import json
 import os
 import threading
 import time
@@ -56,6 +55,7 @@ from vllm_kvdisk.replay import (
     splice,
     strip_stop,
 )
+from vllm_kvdisk.replay_capture import Tap, capture_stream
 from vllm_kvdisk.toolmap import ToolCall, ToolLog, newest_calls
 
 log = get_logger(__name__)
@@ -202,7 +202,9 @@ class Replayer:
         parser_cls = getattr(self.chat, "parser_cls", None)
         if parser_cls is None:
             return None
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionRequest,
+        )
 
         try:
             tool_dicts = [t.model_dump() if hasattr(t, "model_dump") else t for t in tools or []]
@@ -302,7 +304,7 @@ class Replayer:
         return [ToolCall(tuple(ids), r.text, r.token_ids) for ids, r in self.memory.records()
                 if r.token_ids is not None]
 
-    def remember_response(self, response: Any, tap: _Tap) -> None:
+    def remember_response(self, response: Any, tap: Tap) -> None:
         for choice in getattr(response, "choices", None) or []:
             message = getattr(choice, "message", None)
             calls = getattr(message, "tool_calls", None) or []
@@ -341,7 +343,7 @@ class Replayer:
         full_generator = chat.chat_completion_full_generator
 
         async def chat_completion_full_generator(request, result_generator, *args, **kwargs):
-            tap = _Tap(result_generator, delta=False)
+            tap = Tap(result_generator, delta=False)
             response = await full_generator(request, tap, *args, **kwargs)
             try:
                 replayer.remember_response(response, tap)
@@ -354,8 +356,8 @@ class Replayer:
         stream_generator = chat.chat_completion_stream_generator
 
         def chat_completion_stream_generator(request, result_generator, *args, **kwargs):
-            tap = _Tap(result_generator, delta=True)
-            return _capture_stream(replayer, stream_generator(request, tap, *args, **kwargs), tap)
+            tap = Tap(result_generator, delta=True)
+            return capture_stream(replayer, stream_generator(request, tap, *args, **kwargs), tap)
 
         chat.chat_completion_stream_generator = chat_completion_stream_generator
 
@@ -378,85 +380,3 @@ class Replayer:
         except Exception:  # noqa: BLE001
             log.exception("kvdisk replay: planning failed; rendering as usual")
             return None
-
-
-class _Tap:
-    """Passes the engine's outputs through and keeps each choice's sampled token ids."""
-
-    def __init__(self, source: Any, *, delta: bool):
-        self._source = source
-        self._delta = delta
-        self.tokens: dict[int, list[int]] = {}
-
-    def __aiter__(self) -> _Tap:
-        return self
-
-    async def __anext__(self) -> Any:
-        out = await self._source.__anext__()
-        for output in getattr(out, "outputs", None) or []:
-            ids = list(output.token_ids or [])
-            if self._delta:
-                self.tokens.setdefault(output.index, []).extend(ids)
-            else:
-                self.tokens[output.index] = ids
-        return out
-
-    async def aclose(self) -> None:
-        close = getattr(self._source, "aclose", None)
-        if close is not None:
-            await close()
-
-
-async def _capture_stream(replayer: Replayer, stream: Any, tap: _Tap):
-    """Yields the SSE stream unchanged; before ``[DONE]`` remembers each choice's tool calls
-    as the client received them (ids, names, concatenated argument deltas)."""
-    choices: dict[int, dict[str, Any]] = {}
-    try:
-        async for chunk in stream:
-            if isinstance(chunk, str) and chunk.startswith("data: "):
-                body = chunk[6:].strip()
-                if body == "[DONE]":
-                    _remember_stream(replayer, choices, tap)
-                else:
-                    _accumulate(choices, body)
-            yield chunk
-    finally:
-        await stream.aclose()
-
-
-def _accumulate(choices: dict[int, dict[str, Any]], body: str) -> None:
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return
-    for choice in data.get("choices") or []:
-        delta = choice.get("delta") or {}
-        state = choices.setdefault(choice.get("index", 0),
-                                   {"content": [], "reasoning": [], "calls": {}})
-        if delta.get("content"):
-            state["content"].append(delta["content"])
-        for key in ("reasoning", "reasoning_content"):
-            if delta.get(key):
-                state["reasoning"].append(delta[key])
-        for tc in delta.get("tool_calls") or []:
-            call = state["calls"].setdefault(tc.get("index", 0),
-                                             {"id": None, "name": "", "args": []})
-            call["id"] = call["id"] or tc.get("id")
-            fn = tc.get("function") or {}
-            call["name"] = call["name"] or fn.get("name") or ""
-            if fn.get("arguments"):
-                call["args"].append(fn["arguments"])
-
-
-def _remember_stream(replayer: Replayer, choices: dict[int, dict[str, Any]], tap: _Tap) -> None:
-    try:
-        for index, state in choices.items():
-            calls = [state["calls"][k] for k in sorted(state["calls"])]
-            if not calls or not all(c["id"] for c in calls):
-                continue
-            signature = make_signature("".join(state["content"]),
-                                       [(c["name"], "".join(c["args"])) for c in calls],
-                                       "".join(state["reasoning"]))
-            replayer.remember(tap.tokens.get(index, []), [c["id"] for c in calls], signature)
-    except Exception:  # noqa: BLE001
-        log.exception("kvdisk replay: could not record a streamed response")

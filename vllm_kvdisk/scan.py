@@ -1,0 +1,165 @@
+"""Scanning: the half of :class:`~vllm_kvdisk.store.Store` that builds and refreshes the
+index from the directory (mixed into it; it uses the store's namespaces and mutex).
+
+* A scan reads only each file's first bytes (header, sections table, stored-id digests);
+  payloads are never touched. A refresh is one stat of a namespace directory when nothing
+  changed, else a re-listing: files another process added are indexed, files it deleted
+  or replaced (a new inode) are forgotten or re-indexed.
+* Only a file proven corrupt in this build's format version is quarantined. A file of
+  another version is skipped (remembered by inode, so it is not re-read); one that cannot
+  be read right now (EIO, ESTALE, EMFILE) keeps its directory "changed" and is tried again.
+* A temp file whose writer is gone (its lock is free) is removed by the next refresh.
+
+Pure of vLLM and torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from typing import TYPE_CHECKING, Any, Iterator
+
+from vllm_kvdisk import fsdir
+from vllm_kvdisk.fileread import Summary, read_summary
+from vllm_kvdisk.format import FormatError, UnsupportedFile
+from vllm_kvdisk.index import entry_of
+from vllm_kvdisk.logs import get_logger
+
+if TYPE_CHECKING:
+    from vllm_kvdisk.store import _Namespace
+
+log = get_logger(__name__)
+
+KV_NAME = re.compile(r"^[0-9a-f]{40}\.kv$")
+
+
+class ScanMixin:
+    # -- scanning ---------------------------------------------------------------------
+    def scan(self) -> None:
+        """Rebuild the index from the file headers on disk (payloads untouched)."""
+        with self._mutex:
+            self.index.clear()
+            for state in self._ns.values():
+                state.mtime_ns, state.skipped = -1, {}
+            self.rejected.clear()
+            self._refresh_all(force=True)
+
+    def refresh(self, ns: str, *, force: bool = False) -> bool:
+        """Pick up files other processes added, replaced or removed. Cheap when nothing
+        changed (one stat of the directory). Never raises for I/O errors: they are logged
+        and the index is left as it was."""
+        with self._mutex:
+            try:
+                return self._refresh(ns, force)
+            except OSError as exc:
+                log.warning("kvdisk: could not refresh %s/%s: %s", self.root, ns, exc)
+                return False
+
+    def _refresh_all(self, force: bool = False) -> None:
+        names = self.namespaces()
+        for ns in (set(self._ns) | set(self.index.namespaces())) - set(names):
+            if self._namespace(ns) is None:  # gone: forget its entries
+                self._forget_namespace(ns)
+        for ns in names:
+            try:
+                self._refresh(ns, force)
+            except OSError as exc:
+                log.warning("kvdisk: could not refresh %s/%s: %s", self.root, ns, exc)
+
+    def _refresh(self, ns: str, force: bool) -> bool:
+        state = self._namespace(ns)
+        if state is None:
+            self._forget_namespace(ns)
+            return True
+        mtime = os.fstat(state.fd).st_mtime_ns
+        if not force and mtime == state.mtime_ns:
+            return False
+        listed: dict[str, int] = {}
+        now = self.clock()
+        with os.scandir(state.fd) as it:
+            for de in it:
+                if KV_NAME.match(de.name):
+                    if de.is_file(follow_symlinks=False):
+                        listed[de.name[:40]] = de.inode()
+                elif de.name.startswith(fsdir.TMP_PREFIX) and not self.readonly:
+                    if fsdir.writer_gone(state.fd, de.name, now):
+                        with contextlib.suppress(OSError):
+                            os.unlink(de.name, dir_fd=state.fd)
+        for entry in self.index.namespace_entries(ns):
+            if listed.get(entry.sha1) != entry.inode:
+                self.index.remove(ns, entry.sha1)  # deleted or replaced by another process
+        todo = [sha1 for sha1, inode in listed.items() if (ns, sha1) not in self.index
+                and state.skipped.get(sha1, (None,))[0] != inode]
+        complete = True
+        for sha1, found in self._read_files(state.fd, todo):
+            complete &= self._index_file(ns, state, sha1, found)
+        for sha1 in set(state.skipped) - set(listed):
+            del state.skipped[sha1]
+        # A file we could not read right now keeps the directory "changed", so the next
+        # refresh tries it again.
+        state.mtime_ns = mtime if complete else -1
+        return True
+
+    @staticmethod
+    def _read_one(dir_fd: int, sha1: str) -> tuple[Summary, int, int, int] | Exception | None:
+        """(summary, size, inode, mtime ns) of one file, the exception it raised, or None
+        if gone."""
+        try:
+            fd = os.open(f"{sha1}.kv", os.O_RDONLY | fsdir.NOFOLLOW, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            return exc
+        try:
+            st = os.fstat(fd)
+            try:
+                return read_summary(fd, st.st_size), st.st_size, st.st_ino, st.st_mtime_ns
+            except (FormatError, OSError) as exc:
+                exc.inode = st.st_ino  # type: ignore[union-attr]
+                return exc
+            except Exception as exc:  # noqa: BLE001 - a bug of ours, not proof of corruption
+                log.exception("kvdisk: cannot index %s.kv; leaving it alone", sha1)
+                found = UnsupportedFile(f"could not be indexed: {exc!r}")
+                found.inode = st.st_ino  # type: ignore[attr-defined]
+                return found
+        except OSError as exc:
+            return exc
+        finally:
+            os.close(fd)
+
+    def _read_files(self, dir_fd: int, names: list[str]) -> Iterator[tuple[str, Any]]:
+        """Read the first bytes of many files, saying every 10 s how far a long scan is (a
+        slow volume). One thread: the parse holds the GIL, and two threads measured slower."""
+        started = last = time.monotonic()
+        for done, name in enumerate(names, start=1):
+            yield name, self._read_one(dir_fd, name)
+            if done % 1024 == 0:
+                now = time.monotonic()
+                if now - last >= 10:
+                    last = now
+                    log.info("kvdisk: indexing %s: %d of %d files in %.0f s", self.root, done,
+                             len(names), now - started)
+
+    def _index_file(self, ns: str, state: _Namespace, sha1: str, found: Any) -> bool:
+        """Index what ``_read_one`` found; False if the file should be tried again later."""
+        if found is None:
+            return True
+        if isinstance(found, UnsupportedFile):
+            state.skipped[sha1] = (getattr(found, "inode", 0), str(found))
+            self.rejected.append((ns, sha1, f"unsupported: {found}"))
+            return True
+        if isinstance(found, FormatError):
+            self._quarantine(ns, sha1, str(found), inode=getattr(found, "inode", None))
+            return True
+        if isinstance(found, OSError):
+            return self._unreadable(ns, sha1, found)
+        summary, size, inode, mtime_ns = found
+        self.index.add(entry_of(ns, sha1, summary, size, inode, mtime_ns))
+        return True
+
+    def _unreadable(self, ns: str, sha1: str, exc: OSError) -> bool:
+        self.stats.unreadable += 1
+        log.warning("kvdisk: cannot read %s/%s.kv now (%s); will try again", ns, sha1, exc)
+        return False
