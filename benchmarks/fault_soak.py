@@ -49,10 +49,18 @@ def kv_files(kv: str) -> list[str]:
 
 
 def child(model: str, kv: str, out: str, seed: int, count: int, **cfg) -> subprocess.Popen:
+    """The child's output goes to OUT.log (kept when the soak fails)."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    return subprocess.Popen([sys.executable, str(CHILD), model, kv, out, str(seed), str(count),
-                             json.dumps(cfg)], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    with open(out + ".log", "wb") as log:
+        return subprocess.Popen([sys.executable, str(CHILD), model, kv, out, str(seed),
+                                 str(count), json.dumps(cfg)], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def failed(what: str, out: str) -> SystemExit:
+    with open(out + ".log", "rb") as fh:
+        tail = fh.read()[-4000:].decode(errors="replace")
+    return SystemExit(f"{what} failed; the end of its output:\n{tail}")
 
 
 def reference(model: str, seed: int, count: int) -> list[list[int]]:
@@ -87,7 +95,7 @@ def kill_loop(model: str, work: str, kills: int, say) -> None:
             out = os.path.join(work, "check.json")
             done = child(model, kv, out, 70, 8)
             if done.wait(timeout=900) != 0:
-                raise SystemExit("the check process failed")
+                raise failed("the check process", out)
             answers = json.load(open(out))
             checked += len(answers)
             mismatches += sum(not (a["first"] == a["again"] == r) for a, r in zip(answers, ref))
