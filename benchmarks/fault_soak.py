@@ -68,10 +68,12 @@ def failed(what: str, out: str) -> SystemExit:
     return SystemExit(f"{what} failed; the end of its output:\n{tail}")
 
 
-def reference(model: str, seed: int, count: int) -> list[list[int]]:
+def references(model: str, counts: dict[int, int]) -> dict[int, list[list[int]]]:
+    """No-cache answers of ``prompts(seed, count)`` for each seed, from one engine."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     with engine(model, None, prefix_caching=False) as llm:
-        return [generate(llm, p, max_tokens=8)[0] for p in prompts(seed, count)]
+        return {seed: [generate(llm, p, max_tokens=8)[0] for p in prompts(seed, count)]
+                for seed, count in counts.items()}
 
 
 def problems(kv: str) -> list:
@@ -82,23 +84,31 @@ def problems(kv: str) -> list:
 def kill_loop(model: str, work: str, kills: int, say) -> None:
     kv = os.path.join(work, "kill-kv")
     rng = random.Random(0)
-    ref = reference(model, 70, 8)
+    # Every 10 kills a new conversation family (seed): its children get further each time
+    # (earlier prompts come back from disk), so each one is killed while saving new
+    # files, and the check after the 10th restores what those killed children wrote.
+    seeds = {70 + (i - 1) // 10 for i in range(1, kills + 1)}
+    refs = references(model, {seed: 8 for seed in seeds})
     corrupt = checked = mismatches = restored = 0
     t0 = time.monotonic()
     for i in range(1, kills + 1):
-        proc = child(model, kv, os.path.join(work, "kill.json"), 70, 40)
+        seed = 70 + (i - 1) // 10
+        proc = child(model, kv, os.path.join(work, "kill.json"), seed, 40)
         deadline = time.monotonic() + 120
         start = len(kv_files(kv))
         while len(kv_files(kv)) <= start and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.02)
+        if proc.poll() is not None:  # it ended on its own: it was never killed mid-save
+            raise failed(f"kill round {i}: the child", os.path.join(work, "kill.json"))
         time.sleep(rng.uniform(0.0, 2.0))
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         corrupt += len(problems(kv))
-        if i % 10 == 0:
+        if i % 10 == 0 or i == kills:
             out = os.path.join(work, "check.json")
-            done = child(model, kv, out, 70, 8)
+            done = child(model, kv, out, seed, 8)
+            ref = refs[seed]
             if done.wait(timeout=900) != 0:
                 raise failed("the check process", out)
             answers = json.load(open(out))
@@ -135,7 +145,7 @@ def soak(model: str, work: str, minutes: float, budget_mb: int, say) -> None:
     n = [len(a) for a in answered]
     bad = 0
     for s, answers in zip(seeds, answered):
-        ref = reference(model, s, len(answers))
+        ref = references(model, {s: len(answers)})[s]
         bad += sum(not (a["first"] == a["again"] == r) for a, r in zip(answers, ref))
     store = Store(kv, space_bytes=budget_mb << 20, readonly=True)
     report = verify(store)
@@ -156,9 +166,10 @@ def main() -> None:
     args = ap.parse_args()
     lines: list[str] = []
 
-    def say(text: str) -> None:
+    def say(text: str) -> None:  # the output file grows with each line (a partial run shows)
         print(text, flush=True)
         lines.append(text)
+        pathlib.Path(args.out).write_text("\n".join(lines) + "\n")
 
     work = tempfile.mkdtemp(prefix="kvdisk-fault-soak-")
     try:
