@@ -158,10 +158,13 @@ def disk_usage(path: str | None) -> dict:
     return {"bytes": total, "files": files}
 
 
-def stream_chat(url: str, messages: list[dict], max_tokens: int, timeout: float) -> dict:
+def stream_chat(url: str, messages: list[dict], max_tokens: int, timeout: float,
+                temperature: float = 0.0, seed: int | None = None) -> dict:
     body = {"model": "agent", "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True}
+            "temperature": temperature, "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True}
+    if seed is not None:
+        body["seed"] = seed
     t0 = time.perf_counter()
     ttft, parts, usage, prompt_ids, generated = None, [], None, None, []
     with requests.post(url + "/v1/chat/completions", json=body, stream=True,
@@ -215,7 +218,8 @@ def run_phase(server: harness.Server, wl: Workload, ideal: Ideal, history: list[
                    "first_after_restart": phase == "resumed" and t == turns.start,
                    "start_s": round(time.perf_counter() - t_phase, 4)}
             try:
-                out = stream_chat(server.url, msgs, args.max_tokens, args.request_timeout)
+                out = stream_chat(server.url, msgs, args.max_tokens, args.request_timeout,
+                                  args.temperature)
             except Exception as exc:  # noqa: BLE001 (recorded; the session stops here)
                 rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 with lock:
@@ -430,6 +434,11 @@ def main() -> None:
     ap.add_argument("--kvdisk-load-policy", default="auto", choices=["auto", "always"])
     ap.add_argument("--request-timeout", type=float, default=600)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature; above 0 the conversations of two "
+                         "configurations diverge, so replies are not compared (requests are "
+                         "not seeded: vLLM 0.32.0's CPU build dies on per-request seeds, "
+                         "'CPU Generator does not use offset')")
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--work-dir", default=None,
                     help="cache dirs and server logs (default: a temp dir, removed at the end)")
@@ -482,6 +491,8 @@ def main() -> None:
                                        for ph in c["phases"].values())}
         data = {"meta": meta, "configs": configs, "requests": records}
         suffix = "" if args.model == "tiny" else f"-{pathlib.Path(args.model).name}"
+        if args.temperature:
+            suffix += f"-t{args.temperature:g}"
         path = out / f"agent_replay{suffix}.json"
         path.write_text(json.dumps(data, indent=1, default=str))
         print("\n" + render(data), flush=True)

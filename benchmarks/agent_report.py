@@ -65,8 +65,9 @@ def summarize(data: dict) -> dict:
             ratios[name] = {key: (kv[a][b] / s[a][b]) if kv[a][b] and s[a][b] else None
                             for key, a, b in pairs}
         summary["kvdisk_vs_peers"] = ratios
-    base = {(r["session"], r["turn"]): r.get("reply_sha1") for r in records
-            if r["config"] == "none" and "error" not in r}
+    sampled = bool(data["meta"]["argv"].get("temperature"))
+    base = {} if sampled else {(r["session"], r["turn"]): r.get("reply_sha1") for r in records
+                               if r["config"] == "none" and "error" not in r}
     if base:
         summary["replies_equal_to_none"] = {}
         for name in configs:
@@ -91,7 +92,10 @@ def render(data: dict) -> str:
          f"{args['concurrency']}, shared system prompt + tool block {meta['shared_tokens']} "
          f"tokens, task {args['task_tokens']} (sessions 1.. repeat half of session 0's), tool "
          f"result {args['tool_result_tokens']} tokens per turn on average (0.5..1.5x), "
-         f"max_tokens {args['max_tokens']}; warm = turns 1..{args['turns'] // 2}, then every "
+         f"max_tokens {args['max_tokens']}, "
+         + (f"sampled at temperature {args['temperature']}" if args.get("temperature")
+            else "greedy")
+         + f"; warm = turns 1..{args['turns'] // 2}, then every "
          "server restarted (SIGTERM) on the same cache dir, resumed = the rest.",
          "ideal = per request, the longest prefix of its prompt the server had computed "
          "once (earlier prompt + generated ids), floored to the block; cached/ideal 1.00 is "
