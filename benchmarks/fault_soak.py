@@ -93,7 +93,7 @@ def kill_loop(model: str, work: str, kills: int, say) -> None:
     t0 = time.monotonic()
     for i in range(1, kills + 1):
         seed = 70 + (i - 1) // 10
-        proc = child(model, kv, os.path.join(work, "kill.json"), seed, 40)
+        proc = child(model, kv, os.path.join(work, "kill.json"), seed, 1000)  # never runs out
         deadline = time.monotonic() + 120
         start = len(kv_files(kv))
         while len(kv_files(kv)) <= start and time.monotonic() < deadline and proc.poll() is None:
