@@ -153,7 +153,8 @@ def soak(model: str, work: str, minutes: float, budget_mb: int, say) -> None:
         f"{sum(n)} prompts answered twice ({n[0]} + {n[1]}), peak on disk "
         f"{peak / 2**20:.1f} MiB over {samples} samples (budget {budget_mb} MiB, "
         f"peak/budget {peak / (budget_mb << 20):.2f}), at the end {store.index.total_bytes / 2**20:.1f} "
-        f"MiB in {len(store.index)} files; verify: {len(report.problems)} problem(s); answers "
+        f"MiB in {len(store.index)} files; verify: {len(report.problems)} problem(s) "
+        f"{sorted({p.kind for p in report.problems})}; answers "
         f"different from no cache: {bad}")
 
 
