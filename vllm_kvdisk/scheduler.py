@@ -354,13 +354,11 @@ class SchedulerSide:
             st = self._reqs.get(req_id)
             if st is not None:
                 st.load_finished()
-        for req_id in getattr(output, "failed_recving", None) or ():
-            st = self._reqs.get(req_id)
-            if st is not None:
-                st.load_failed()
         report = output.kv_connector_worker_meta
         if not isinstance(report, WorkerReport):
             return
+        # Failed loads come in our report, not vLLM's ``failed_recving``: that one makes
+        # vLLM recompute the whole request, the invalid block ids only what was lost.
         for req_id in report.failed_loads:  # vLLM re-queues it to recompute: no new load
             st = self._reqs.get(req_id)
             if st is not None:

@@ -73,7 +73,6 @@ class WorkerSide:
         self._finished: deque[set[str]] = deque(maxlen=FINISHED_MEMORY_STEPS)
         self._inflight: dict[str, tuple[Future, SaveJob]] = {}
         self._step: tuple[int, float] = (0, 0.0)  # (tokens, start) of the step in flight
-        self._idle_step = False  # the step in flight computes nothing (it only polls)
 
     # -- setup ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -171,7 +170,6 @@ class WorkerSide:
     # -- step timing (for the cost-aware load policy) ---------------------------------
     def bind_connector_metadata(self, meta: StepMeta) -> None:
         self._step = (meta.step_tokens, time.perf_counter())
-        self._idle_step = meta.step_tokens == 0
 
     def _step_computed(self) -> None:
         tokens, started = self._step
@@ -271,7 +269,7 @@ class WorkerSide:
 
     # -- step results -----------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self._idle_step and self._loads:
+        if self._loads and self._step[0] == 0:  # the step in flight computes nothing
             # Nothing else runs in this step: sleep on the loads (a little) instead of
             # letting the engine spin through empty steps, which takes the cores the reads
             # need. A request arriving meanwhile waits at most IDLE_LOAD_WAIT_S.
