@@ -156,6 +156,8 @@ def soak(model: str, work: str, minutes: float, budget_mb: int, say) -> None:
         f"MiB in {len(store.index)} files; verify: {len(report.problems)} problem(s) "
         f"{sorted({p.kind for p in report.problems})}; answers "
         f"different from no cache: {bad}")
+    for p in report.problems:
+        say(f"   verify: {p.kind} {p.ns}/{p.sha1}: {p.detail}")
 
 
 def main() -> None:
