@@ -1,5 +1,6 @@
 """The directory: atomic files, rebuild from headers, quarantine, one budget, processes."""
 
+import contextlib
 import multiprocessing as mp
 import os
 import stat
@@ -269,8 +270,11 @@ def _replica(root, seed, count, budget, queue):
                 done += 1
             except (SaveSkipped, ValueError):
                 pass
-            total = sum(os.path.getsize(os.path.join(store.ns_dir(ns), n))
-                        for n in os.listdir(store.ns_dir(ns)) if n.endswith(".kv"))
+            total = 0
+            for name in os.listdir(store.ns_dir(ns)):
+                if name.endswith(".kv"):  # the other replica may evict it meanwhile
+                    with contextlib.suppress(FileNotFoundError):
+                        total += os.path.getsize(os.path.join(store.ns_dir(ns), name))
             peak = max(peak, total)
     queue.put((peak, done))
 
