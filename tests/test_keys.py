@@ -95,3 +95,18 @@ def test_empty_table_and_prompt():
     t = TokenTable([b"x"])
     text, ends = t.render(np.array([], dtype=np.uint32))
     assert text == b"" and len(ends) == 0
+
+
+def test_rank_group_joins_the_ranks_of_one_engine_only():
+    from dataclasses import asdict, replace
+
+    from vllm_kvdisk.keys import Fingerprint, rank_group
+
+    fp = Fingerprint("m", "r", "float32", "NHD", 16, 4, 0)
+    info = [{"digest": replace(fp, tp_rank=r).digest().hex(), **asdict(replace(fp, tp_rank=r))}
+            for r in range(4)]
+    assert len({rank_group(i) for i in info}) == 1 and rank_group(info[0]) is not None
+    assert rank_group({**info[0], "model": "other"}) != rank_group(info[0])
+    assert rank_group({**info[0], "salt_digest": "ab"}) != rank_group(info[0])
+    assert rank_group(asdict(replace(fp, tp_size=1))) is None
+    assert rank_group({"tp_size": "x"}) is None and rank_group({}) is None

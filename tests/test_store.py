@@ -211,6 +211,42 @@ def test_enospc_while_writing_makes_room_once_and_leaves_no_temp_file(tmp_path, 
     assert store.stats.write_failures == 1
 
 
+def test_ranks_of_one_engine_evict_a_checkpoint_together(tmp_path):
+    """With TP 2 each rank writes its own namespace; a checkpoint is usable only while both
+    ranks' files are there. Before, each rank's eviction chose its own victims, so at a
+    full budget rank 0 could drop A while rank 1 dropped B: both unusable, their other
+    halves dead weight. Now the victim goes from every rank's namespace at once, and
+    another engine's namespace (a different TP group) is untouched."""
+    from dataclasses import replace
+
+    now = [0.0]
+    store = Store(str(tmp_path / "cache"), space_bytes=1 << 30, clock=lambda: now[0])
+    tp = replace(FP, tp_size=2)
+    ranks = [store.ensure_namespace(replace(tp, tp_rank=r)) for r in (0, 1)]
+    other = store.ensure_namespace(replace(tp, model="other"))
+    rng = np.random.default_rng(0)
+    plans = []
+    for i, (first, second) in enumerate([(0, 1), (1, 0), (0, 1)]):  # ranks finish in turn
+        now[0] = 10 * i
+        plan, _ = save(store, ranks[first], prompt(20 + i), 48, rng)
+        now[0] = 10 * i + 5
+        save(store, ranks[second], prompt(20 + i), 48, rng)
+        plans.append(plan)
+    now[0] = 1
+    kept, _ = save(store, other, prompt(30), 48, rng)
+    size = store.index.get(ranks[0], plans[0].sha1).size
+    store.space_bytes = store.index.total_bytes + size // 2  # one more file does not fit
+    now[0] = 100
+    new, _ = save(store, ranks[0], prompt(40), 48, rng)
+    on_disk = {(ns, e.sha1) for ns in ranks + [other] for e in store.index.namespace_entries(ns)}
+    # The least recently used checkpoint went from both ranks, nothing else did.
+    assert not {(ns, plans[0].sha1) for ns in ranks} & on_disk
+    assert all((ns, p.sha1) in on_disk for ns in ranks for p in plans[1:])
+    assert (other, kept.sha1) in on_disk and (ranks[0], new.sha1) in on_disk
+    assert store.stats.evicted == 2
+    assert verify(store).ok
+
+
 def test_parent_is_kept_while_children_exist(tmp_path):
     store, ns = make(tmp_path)
     rng = np.random.default_rng(0)

@@ -107,7 +107,8 @@ class BudgetMixin:
             need = self._shortfall(entry.size, incoming)
         if need > 0:
             keep = set(protect) | {entry.key}
-            plan = self.index.plan_eviction(need, self.clock(), keep, adding=[entry])
+            plan = self.index.plan_eviction(need, self.clock(), keep, adding=[entry],
+                                             groups=self.rank_groups())
             freed = sum(e.size for e in plan)
             if freed < need:
                 raise SaveSkipped("no_space", (
@@ -151,7 +152,8 @@ class BudgetMixin:
         lock from a fresh listing). ``dry_run``: only say what would go."""
         with fsdir.locked(self._root_fd, self.lock_timeout_s), self._mutex:
             self._refresh_all(force=True)
-            plan = self.index.plan_eviction(need_bytes, self.clock(), protect)
+            plan = self.index.plan_eviction(need_bytes, self.clock(), protect,
+                                             groups=self.rank_groups())
             if not dry_run:
                 self._delete(plan)
         return plan

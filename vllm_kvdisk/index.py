@@ -29,7 +29,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import xxhash
@@ -387,12 +387,16 @@ class Index:
 
     # -- eviction ---------------------------------------------------------------------
     def plan_eviction(self, need_bytes: int, now: float, protected: Iterable[Key] = (),
-                      adding: Iterable[Entry] = ()) -> list[Entry]:
+                      adding: Iterable[Entry] = (),
+                      groups: Mapping[str, str] | None = None) -> list[Entry]:
         """Leaves to delete, in order, until ``need_bytes`` are freed (or nothing is left).
 
         ``adding``: files about to become visible; they and their ancestors are not
         leaves for this plan (a delta never evicts its own parent). Pending saves of this
-        process count as children too, and ``protected`` keys are never chosen."""
+        process count as children too, and ``protected`` keys are never chosen.
+        ``groups``: namespace -> its TP group (the namespaces of one engine's ranks): a
+        checkpoint goes from every rank's namespace at once, so no rank keeps a file that
+        can never load without its siblings (where a sibling is a leaf too)."""
         if need_bytes <= 0:
             return []
         keep = set(protected)
@@ -404,20 +408,32 @@ class Index:
             keep.add(entry.key)
             if entry.parent and entry.sha1 not in self._children.get((entry.ns, entry.parent), ()):
                 kids[(entry.ns, entry.parent)] = kids.get((entry.ns, entry.parent), 0) + 1
+        groups = groups or {}
+        ranks: dict[str, list[str]] = {}
+        for ns, group in groups.items():
+            ranks.setdefault(group, []).append(ns)
         heap = [(*eviction_key(e, now), e.ns, e.sha1) for e in self._entries.values()
                 if not kids.get(e.key) and e.key not in keep]
         heapq.heapify(heap)
         plan: list[Entry] = []
+        planned: set[Key] = set()
         freed = 0
         while heap and freed < need_bytes:
             _, _, ns, sha1 = heapq.heappop(heap)
-            entry = self._entries[(ns, sha1)]
-            plan.append(entry)
-            freed += entry.size
-            if entry.parent:
-                pkey = (ns, entry.parent)
-                kids[pkey] = kids.get(pkey, 1) - 1
-                parent = self._entries.get(pkey)
-                if parent is not None and kids[pkey] == 0 and pkey not in keep:
-                    heapq.heappush(heap, (*eviction_key(parent, now), ns, parent.sha1))
+            if (ns, sha1) in planned:
+                continue
+            siblings = ranks[groups[ns]] if ns in groups else [ns]
+            for key in [(ns, sha1)] + [(o, sha1) for o in siblings if o != ns]:
+                entry = self._entries.get(key)
+                if entry is None or key in planned or kids.get(key) or key in keep:
+                    continue
+                plan.append(entry)
+                planned.add(key)
+                freed += entry.size
+                if entry.parent:
+                    pkey = (key[0], entry.parent)
+                    kids[pkey] = kids.get(pkey, 1) - 1
+                    parent = self._entries.get(pkey)
+                    if parent is not None and kids[pkey] == 0 and pkey not in keep:
+                        heapq.heappush(heap, (*eviction_key(parent, now), *pkey))
         return plan

@@ -21,7 +21,7 @@ import array
 import hashlib
 import json
 from dataclasses import asdict, dataclass, replace
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import xxhash
@@ -170,6 +170,20 @@ class Fingerprint:
     def scoped(self, lora: str, salt_digest: str) -> Fingerprint:
         """The namespace of one LoRA adapter and cache salt on this engine."""
         return replace(self, lora=lora, salt_digest=salt_digest)
+
+
+def rank_group(info: Mapping[str, object]) -> str | None:
+    """The TP group of a namespace from what its ``namespace.json`` says: equal for the
+    namespaces of all ranks of one engine (everything but ``tp_rank`` equal), None for
+    TP size 1 or a description that is not ours."""
+    try:
+        if int(info.get("tp_size", 1)) <= 1:  # type: ignore[call-overload]
+            return None
+    except (TypeError, ValueError):
+        return None
+    rest = {k: v for k, v in info.items() if k not in ("tp_rank", "digest")}
+    body = json.dumps(rest, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(body).hexdigest()[:16]
 
 
 def salt_digest(cache_salt: str | None) -> str:

@@ -44,7 +44,7 @@ from vllm_kvdisk.budget import BudgetMixin
 from vllm_kvdisk.fileread import Meta, read_meta, read_text, read_token_range
 from vllm_kvdisk.format import HEADER_FIELD_HITS, HEADER_FIELD_LAST_USED, FormatError
 from vllm_kvdisk.index import Entry, Index
-from vllm_kvdisk.keys import Fingerprint
+from vllm_kvdisk.keys import Fingerprint, rank_group
 from vllm_kvdisk.logs import get_logger
 from vllm_kvdisk.quarantine import Quarantine
 from vllm_kvdisk.scan import ScanMixin
@@ -73,6 +73,8 @@ class _Namespace:
     fd: int
     mtime_ns: int = -1
     skipped: dict[str, tuple[int, str]] = field(default_factory=dict)  # name -> (inode, why)
+    group: str | None = None  # its TP group (keys.rank_group), once read
+    group_read: bool = False
 
 
 class Store(ScanMixin, BudgetMixin):
@@ -187,6 +189,22 @@ class Store(ScanMixin, BudgetMixin):
             except (OSError, ValueError):
                 return None
         return info if isinstance(info, dict) else None
+
+    def rank_groups(self) -> dict[str, str]:
+        """Indexed namespace -> TP group, for namespaces of engines with TP > 1 (what
+        ``namespace.json`` says, read once per directory)."""
+        out: dict[str, str] = {}
+        with self._mutex:
+            for ns in self.index.namespaces():
+                state = self._namespace(ns)
+                if state is None:
+                    continue
+                if not state.group_read:
+                    info = self.namespace_info(ns)
+                    state.group, state.group_read = rank_group(info or {}), True
+                if state.group is not None:
+                    out[ns] = state.group
+        return out
 
     def namespaces(self) -> list[str]:
         """Namespace directories (real directories only; symlinks are ignored)."""
