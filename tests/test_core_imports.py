@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-CORE = ["config", "keys", "format", "index", "saverules", "planner", "fsdir", "scan",
+CORE = ["config", "keys", "format", "index", "eviction", "budget", "saverules", "planner", "fsdir", "scan",
         "store", "verify", "cli", "trace", "control", "lifecycle", "toolmap", "identity",
         "diagnose", "policy", "replay", "replay_capture", "staging", "logs", "tokens"]
 

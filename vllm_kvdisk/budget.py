@@ -23,6 +23,7 @@ import os
 from typing import Iterable
 
 from vllm_kvdisk import fsdir
+from vllm_kvdisk.eviction import plan_eviction
 from vllm_kvdisk.fileread import summary_of
 from vllm_kvdisk.format import Encoded, FormatError
 from vllm_kvdisk.index import Entry, Key, entry_of
@@ -107,8 +108,8 @@ class BudgetMixin:
             need = self._shortfall(entry.size, incoming)
         if need > 0:
             keep = set(protect) | {entry.key}
-            plan = self.index.plan_eviction(need, self.clock(), keep, adding=[entry],
-                                             groups=self.rank_groups())
+            plan = plan_eviction(self.index, need, self.clock(), keep, adding=[entry],
+                                 groups=self.rank_groups())
             freed = sum(e.size for e in plan)
             if freed < need:
                 raise SaveSkipped("no_space", (
@@ -152,8 +153,8 @@ class BudgetMixin:
         lock from a fresh listing). ``dry_run``: only say what would go."""
         with fsdir.locked(self._root_fd, self.lock_timeout_s), self._mutex:
             self._refresh_all(force=True)
-            plan = self.index.plan_eviction(need_bytes, self.clock(), protect,
-                                             groups=self.rank_groups())
+            plan = plan_eviction(self.index, need_bytes, self.clock(), protect,
+                                 groups=self.rank_groups())
             if not dry_run:
                 self._delete(plan)
         return plan

@@ -16,8 +16,8 @@ Invariants:
   last block both agree on (read from the file's stored ids). Rendered text is never
   needed to find a checkpoint; the worker compares every restored file's stored ids with
   the prompt's before a page counts as loaded.
-* A chain whose parent is missing is unreachable (never a hit). Eviction removes leaves
-  only, so a parent never goes before its children.
+* A chain whose parent is missing is unreachable (never a hit). Eviction (``eviction``)
+  removes leaves only, so a parent never goes before its children.
 
 Pure: no I/O (the caller passes a function that reads a file's stored ids). It returns
 decisions; ``store.Store`` executes them.
@@ -25,11 +25,9 @@ decisions; ``store.Store`` executes them.
 
 from __future__ import annotations
 
-import heapq
-import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import xxhash
@@ -37,8 +35,6 @@ import xxhash
 from vllm_kvdisk.fileread import Summary
 from vllm_kvdisk.format import Reason
 
-HALF_LIFE_S = 6 * 3600
-SCORE_STEP = 1.25  # eviction scores within one step are ties (then LRU)
 MAX_WALK_STEPS = 512  # candidate checks per lookup: bounds what hostile trees can cost
 
 Key = tuple[str, str]  # (namespace, sha1)
@@ -135,21 +131,6 @@ class Lookup:
     def cut(self, count: int, miss: Miss) -> Lookup:
         """The same lookup with only its first ``count`` segments."""
         return Lookup(self.segments[:count], miss, self.diverged, self.other_namespaces)
-
-
-def score(entry: Entry, now: float) -> float:
-    """ds4's keep-worthiness: (decayed hits + 1) x tokens / bytes. Lower goes first."""
-    age = max(0.0, now - entry.last_used)
-    decayed = entry.hits * 0.5 ** (age / HALF_LIFE_S)
-    return (decayed + 1.0) * entry.tokens / max(1, entry.size)
-
-
-def eviction_key(entry: Entry, now: float) -> tuple[int, int]:
-    """Eviction order: the score in steps of SCORE_STEP (so files of one model, whose
-    tokens per byte differ by a little text, count as equal), then least recently used
-    (the header's seconds, or the ns the index saw it used or written)."""
-    rank = math.floor(math.log(max(score(entry, now), 1e-300), SCORE_STEP))
-    return rank, max(entry.used_ns, entry.last_used * 1_000_000_000)
 
 
 def common_blocks(a: np.ndarray, b: np.ndarray, block_size: int) -> int:
@@ -261,6 +242,14 @@ class Index:
         """Files (not pending saves) whose parent is ``sha1`` (None: the roots)."""
         names = self._children.get((ns, sha1 or ""), ())
         return [self._entries[(ns, s)] for s in names if (ns, s) in self._entries]
+
+    def has_child(self, ns: str, parent: str, sha1: str) -> bool:
+        return sha1 in self._children.get((ns, parent), ())
+
+    def child_counts(self) -> dict[Key, int]:
+        """Parent key -> how many files and saves in flight continue it."""
+        return {(ns, parent): len(names) for (ns, parent), names in self._children.items()
+                if parent}
 
     # -- two-phase saves --------------------------------------------------------------
     def reserve(self, entry: Entry) -> bool:
@@ -386,54 +375,3 @@ class Index:
             result.miss = Miss.NO_CHECKPOINT
 
     # -- eviction ---------------------------------------------------------------------
-    def plan_eviction(self, need_bytes: int, now: float, protected: Iterable[Key] = (),
-                      adding: Iterable[Entry] = (),
-                      groups: Mapping[str, str] | None = None) -> list[Entry]:
-        """Leaves to delete, in order, until ``need_bytes`` are freed (or nothing is left).
-
-        ``adding``: files about to become visible; they and their ancestors are not
-        leaves for this plan (a delta never evicts its own parent). Pending saves of this
-        process count as children too, and ``protected`` keys are never chosen.
-        ``groups``: namespace -> its TP group (the namespaces of one engine's ranks): a
-        checkpoint goes from every rank's namespace at once, so no rank keeps a file that
-        can never load without its siblings (where a sibling is a leaf too)."""
-        if need_bytes <= 0:
-            return []
-        keep = set(protected)
-        kids: dict[Key, int] = {}
-        for (ns, parent), names in self._children.items():
-            if parent:
-                kids[(ns, parent)] = len(names)
-        for entry in adding:
-            keep.add(entry.key)
-            if entry.parent and entry.sha1 not in self._children.get((entry.ns, entry.parent), ()):
-                kids[(entry.ns, entry.parent)] = kids.get((entry.ns, entry.parent), 0) + 1
-        groups = groups or {}
-        ranks: dict[str, list[str]] = {}
-        for ns, group in groups.items():
-            ranks.setdefault(group, []).append(ns)
-        heap = [(*eviction_key(e, now), e.ns, e.sha1) for e in self._entries.values()
-                if not kids.get(e.key) and e.key not in keep]
-        heapq.heapify(heap)
-        plan: list[Entry] = []
-        planned: set[Key] = set()
-        freed = 0
-        while heap and freed < need_bytes:
-            _, _, ns, sha1 = heapq.heappop(heap)
-            if (ns, sha1) in planned:
-                continue
-            siblings = ranks[groups[ns]] if ns in groups else [ns]
-            for key in [(ns, sha1)] + [(o, sha1) for o in siblings if o != ns]:
-                entry = self._entries.get(key)
-                if entry is None or key in planned or kids.get(key) or key in keep:
-                    continue
-                plan.append(entry)
-                planned.add(key)
-                freed += entry.size
-                if entry.parent:
-                    pkey = (key[0], entry.parent)
-                    kids[pkey] = kids.get(pkey, 1) - 1
-                    parent = self._entries.get(pkey)
-                    if parent is not None and kids[pkey] == 0 and pkey not in keep:
-                        heapq.heappush(heap, (*eviction_key(parent, now), *pkey))
-        return plan
