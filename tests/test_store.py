@@ -165,6 +165,41 @@ def test_a_delta_whose_parent_is_gone_is_not_written(tmp_path):
     assert verify(store).ok
 
 
+def test_a_parent_deleted_within_one_timestamp_tick_is_still_seen_gone(tmp_path, monkeypatch):
+    """The index notices other processes' changes by the directory's mtime, and file
+    system timestamps are coarse (a jiffy on ext4, worse on NFS): when this store's last
+    refresh, its own temp file and another replica's eviction of the parent fall in one
+    tick, the mtime says "unchanged" and the child used to be committed as an orphan. The
+    utime after the temp file's write makes that tick deterministic."""
+    from vllm_kvdisk import fsdir
+
+    store, ns = make(tmp_path)
+    p = prompt(8)
+    rng = np.random.default_rng(0)
+    root, _ = save(store, ns, p, 48, rng)
+    plan = planner(store).plan_save(ns, p, 112, Reason.COLD)
+    assert plan.parent == root.sha1
+    store.refresh(ns)
+    seen = os.stat(store.ns_dir(ns)).st_mtime_ns
+    other = Store(store.root, space_bytes=1 << 30)
+    other.scan()
+    other.remove_file(ns, root.sha1)  # another replica evicts the parent
+    write = fsdir.TempFile.write
+
+    def same_tick(self, buffers):  # noqa: ANN001, ANN202
+        written = write(self, buffers)
+        os.utime(store.ns_dir(ns), ns=(seen, seen))
+        return written
+
+    monkeypatch.setattr(fsdir.TempFile, "write", same_tick)
+    from synth import pages
+
+    with pytest.raises(SaveSkipped, match="parent_gone"):
+        store.write(ns, plan.sha1, encode(plan, p, pages(rng, plan)))
+    assert not os.path.exists(store.path(ns, plan.sha1))
+    assert verify(store).ok
+
+
 def test_an_unreachable_watermark_skips_the_save_and_evicts_nothing(tmp_path):
     """Something else filled the volume: before, every save evicted everything but the new
     file and then wrote anyway, wiping the cache."""
