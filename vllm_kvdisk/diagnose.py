@@ -1,4 +1,5 @@
-"""Why a lookup went no deeper, in words: the part of a miss or hit that reads files.
+"""Why a lookup went no deeper, in words: the part of a miss or hit that reads files,
+and the one place that counts a lookup's outcome and writes its trace line.
 
 Lookups decide from the index alone; explaining a divergence ("the prompt leaves
 checkpoint X at byte 4190", "same text, different tokens at token 712") needs the
@@ -14,7 +15,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -23,6 +24,7 @@ from vllm_kvdisk.index import Entry, Lookup, Miss
 from vllm_kvdisk.keys import TokenTable
 from vllm_kvdisk.logs import get_logger
 from vllm_kvdisk.store import Store
+from vllm_kvdisk.trace import Trace
 
 log = get_logger(__name__)
 
@@ -117,3 +119,61 @@ def describe_hit(lookup: Lookup, local: int) -> str:
 
 def chain_words(chain: list[Entry]) -> str:
     return " -> ".join(f"{e.sha1[:12]}({e.parent_tokens}..{e.tokens})" for e in chain)
+
+
+class LookupReport:
+    """Counts each lookup's outcome in ``lookups{outcome}`` and writes its trace line; the
+    part that reads files (a divergence in words) runs on ``diagnostics``' thread."""
+
+    def __init__(self, store: Store, table: TokenTable, stats: Any, trace: Trace,
+                 diagnostics: Diagnostics):
+        self.store, self.table, self.stats = store, table, stats
+        self.trace, self.diagnostics = trace, diagnostics
+
+    def hit(self, ns: str, lookup: Lookup, ids: np.ndarray, local: int, loaded: int,
+            files: int) -> None:
+        self.stats.count("lookups", "hit:")
+        if not self.trace.enabled:
+            return
+        last, words = lookup.segments[-1].entry.sha1, describe_hit(lookup, local)
+
+        def trace_hit() -> None:
+            detail = words
+            if lookup.miss is not None:
+                _, why = explain(self.store, self.table, ns, lookup, ids)
+                detail += f"; not deeper: {why}"
+            self.trace.hit(last, loaded, files, detail)
+
+        self.diagnostics.submit(trace_hit)
+
+    def no_load(self, ns: str, lookup: Lookup, ids: np.ndarray | None, on_device: int,
+                declined: Any) -> None:
+        """A lookup that loads nothing: the GPU held it all, or a miss (and why)."""
+        if lookup.segments and lookup.tokens <= on_device:
+            self.stats.count("lookups", "device_hit:")
+            self.trace.device_hit(lookup.segments[-1].entry.sha1, on_device, lookup.tokens)
+            return
+        miss = lookup.miss or Miss.NO_CHECKPOINT
+        if miss is not Miss.PREFIX_MISMATCH or ids is None:
+            self.stats.count("lookups", f"miss:{miss.label}")
+            if self.trace.enabled:
+                detail = miss.value
+                if miss is Miss.OTHER_NAMESPACE:
+                    detail += f" ({', '.join(lookup.other_namespaces)})"
+                if miss is Miss.CHEAPER_TO_RECOMPUTE and declined is not None:
+                    detail += (f": load {declined.load_s * 1e3:.0f} ms vs prefill "
+                               f"{declined.recompute_s * 1e3:.0f} ms")
+                if lookup.segments:
+                    detail += f"; deepest checkpoint {lookup.tokens} tokens"
+                self.trace.miss(None, detail)
+            return
+
+        def explain_miss() -> None:  # reads files: off the engine step
+            refined, detail = explain(self.store, self.table, ns, lookup, ids)
+            self.stats.count("lookups", f"miss:{refined.label}")
+            if lookup.segments:
+                detail += f"; deepest checkpoint {lookup.tokens} tokens"
+            self.trace.miss(lookup.diverged[0].sha1 if lookup.diverged else None, detail)
+
+        if not self.diagnostics.submit(explain_miss):
+            self.stats.count("lookups", f"miss:{miss.label}")

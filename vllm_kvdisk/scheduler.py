@@ -25,11 +25,10 @@ import signal
 import time
 from typing import Any
 
-import numpy as np
 
 from vllm_kvdisk.config import KVDiskConfig
 from vllm_kvdisk.control import RequestControl, tool_entries
-from vllm_kvdisk.diagnose import Diagnostics, describe_hit, explain
+from vllm_kvdisk.diagnose import Diagnostics, LookupReport
 from vllm_kvdisk.events import DiskEvents
 from vllm_kvdisk.format import Reason
 from vllm_kvdisk.index import Lookup, Miss
@@ -73,6 +72,7 @@ class SchedulerSide:
                                config.kv_cache_min_tokens)
         self.trace = Trace.from_config(config)
         self.diagnostics = Diagnostics()
+        self.report = LookupReport(self.store, table, self.stats, self.trace, self.diagnostics)
         self.cost = LoadCostModel()
         self.events = DiskEvents(events, block_size)
         self._reqs: dict[str, RequestState] = {}
@@ -189,7 +189,7 @@ class SchedulerSide:
         st.admitted(loading=num_external_tokens > 0)
         if num_external_tokens <= 0:
             self.stats.add("tokens_looked_up", request.num_prompt_tokens)
-            self._record_no_load(st, lookup, ids, on_device)
+            self.report.no_load(st.ns, lookup, ids, on_device, st.declined)
             return
         hit = lookup.tokens
         local = hit - num_external_tokens
@@ -208,53 +208,7 @@ class SchedulerSide:
                           list(blocks.get_block_ids()[0][start:end]), fail=str(exc))
         self._loads.append(job)
         self.stats.add("tokens_looked_up", request.num_prompt_tokens)
-        self.stats.count("lookups", "hit:")
-        if self.trace.enabled:
-            files = len(job.files)
-            last = lookup.segments[-1].entry.sha1
-            words = describe_hit(lookup, local)
-            ns = st.ns
-
-            def trace_hit() -> None:
-                detail = words
-                if lookup.miss is not None:
-                    _, why = explain(self.store, self.table, ns, lookup, ids)
-                    detail += f"; not deeper: {why}"
-                self.trace.hit(last, num_external_tokens, files, detail)
-
-            self.diagnostics.submit(trace_hit)
-
-    def _record_no_load(self, st: RequestState, lookup: Lookup, ids: np.ndarray | None,
-                        on_device: int) -> None:
-        if lookup.segments and lookup.tokens <= on_device:
-            self.stats.count("lookups", "device_hit:")
-            self.trace.device_hit(lookup.segments[-1].entry.sha1, on_device, lookup.tokens)
-            return
-        miss = lookup.miss or Miss.NO_CHECKPOINT
-        declined, ns = st.declined, st.ns
-        if miss is not Miss.PREFIX_MISMATCH or ids is None:
-            self.stats.count("lookups", f"miss:{miss.label}")
-            if self.trace.enabled:
-                detail = miss.value
-                if miss is Miss.OTHER_NAMESPACE:
-                    detail += f" ({', '.join(lookup.other_namespaces)})"
-                if miss is Miss.CHEAPER_TO_RECOMPUTE and declined is not None:
-                    detail += (f": load {declined.load_s * 1e3:.0f} ms vs prefill "
-                               f"{declined.recompute_s * 1e3:.0f} ms")
-                if lookup.segments:
-                    detail += f"; deepest checkpoint {lookup.tokens} tokens"
-                self.trace.miss(None, detail)
-            return
-
-        def explain_miss() -> None:  # reads files: off the engine step
-            refined, detail = explain(self.store, self.table, ns, lookup, ids)
-            self.stats.count("lookups", f"miss:{refined.label}")
-            if lookup.segments:
-                detail += f"; deepest checkpoint {lookup.tokens} tokens"
-            self.trace.miss(lookup.diverged[0].sha1 if lookup.diverged else None, detail)
-
-        if not self.diagnostics.submit(explain_miss):
-            self.stats.count("lookups", f"miss:{miss.label}")
+        self.report.hit(st.ns, lookup, ids, local, num_external_tokens, len(job.files))
 
     # -- saves ------------------------------------------------------------------------
     def _plan_saves(self, st: RequestState, due: list[tuple[int, Reason]], block_ids: list[int],
