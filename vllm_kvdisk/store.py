@@ -201,8 +201,8 @@ class Store(ScanMixin, BudgetMixin):
                 if state is None:
                     continue
                 if not state.group_read:
-                    info = self.namespace_info(ns)
-                    state.group, state.group_read = rank_group(info or {}), True
+                    info = self.namespace_info(ns)  # None while its creator has not written it
+                    state.group, state.group_read = rank_group(info or {}), info is not None
                 if state.group is not None:
                     out[ns] = state.group
         return out
