@@ -4,6 +4,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import stat
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -167,10 +168,11 @@ def test_a_delta_whose_parent_is_gone_is_not_written(tmp_path):
 
 def test_a_parent_deleted_within_one_timestamp_tick_is_still_seen_gone(tmp_path, monkeypatch):
     """The index notices other processes' changes by the directory's mtime, and file
-    system timestamps are coarse (a jiffy on ext4, worse on NFS): when this store's last
-    refresh, its own temp file and another replica's eviction of the parent fall in one
-    tick, the mtime says "unchanged" and the child used to be committed as an orphan. The
-    utime after the temp file's write makes that tick deterministic."""
+    system timestamps are coarse (a jiffy on ext4, a second on some): when this store's
+    last refresh, its own temp file and another replica's eviction of the parent fall in
+    one tick, the mtime says "unchanged" and the child used to be committed as an orphan.
+    The utimes pin that tick: the directory's mtime is "now" when this store looks, and
+    stays so through the eviction and the temp file."""
     from vllm_kvdisk import fsdir
 
     store, ns = make(tmp_path)
@@ -179,8 +181,9 @@ def test_a_parent_deleted_within_one_timestamp_tick_is_still_seen_gone(tmp_path,
     root, _ = save(store, ns, p, 48, rng)
     plan = planner(store).plan_save(ns, p, 112, Reason.COLD)
     assert plan.parent == root.sha1
-    store.refresh(ns)
-    seen = os.stat(store.ns_dir(ns)).st_mtime_ns
+    seen = time.time_ns()
+    os.utime(store.ns_dir(ns), ns=(seen, seen))
+    store.refresh(ns)  # the look, within the tick of the directory's last change
     other = Store(store.root, space_bytes=1 << 30)
     other.scan()
     other.remove_file(ns, root.sha1)  # another replica evicts the parent
@@ -198,6 +201,23 @@ def test_a_parent_deleted_within_one_timestamp_tick_is_still_seen_gone(tmp_path,
         store.write(ns, plan.sha1, encode(plan, p, pages(rng, plan)))
     assert not os.path.exists(store.path(ns, plan.sha1))
     assert verify(store).ok
+
+
+def test_a_file_another_replica_adds_within_one_tick_is_found(tmp_path):
+    """The lookup side of the same tick: a checkpoint another replica lands in the tick of
+    this store's last look used to stay unseen until the directory changed again."""
+    store, ns = make(tmp_path)
+    rng = np.random.default_rng(0)
+    save(store, ns, prompt(9), 48, rng)
+    seen = time.time_ns()
+    os.utime(store.ns_dir(ns), ns=(seen, seen))
+    store.refresh(ns)
+    other = Store(store.root, space_bytes=1 << 30)
+    other.scan()
+    added, _ = save(other, ns, prompt(10), 48, rng)
+    os.utime(store.ns_dir(ns), ns=(seen, seen))  # its rename in the same tick
+    store.refresh(ns)
+    assert store.index.get(ns, added.sha1) is not None
 
 
 def test_an_unreachable_watermark_skips_the_save_and_evicts_nothing(tmp_path):

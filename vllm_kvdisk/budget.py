@@ -98,7 +98,7 @@ class BudgetMixin:
         if tmp is not None and not fsdir.same_dir(tmp.dir_fd, ns, self._root_fd):
             raise SaveSkipped("namespace_removed", f"namespace {ns} was removed meanwhile")
         if entry.parent is not None:
-            above = self._on_disk(ns, entry.parent)
+            above = self.index.get(ns, entry.parent)
             if above is None or not above.parent_tokens < entry.parent_tokens <= above.tokens:
                 raise SaveSkipped("parent_gone", f"parent {entry.parent[:12]} is not on disk")
         incoming = entry.size if tmp is None else 0  # a written temp file already takes room
@@ -122,22 +122,6 @@ class BudgetMixin:
         self.index.add(entry)
         self.stats.written += 1
         self.stats.bytes_written += entry.size
-
-    def _on_disk(self, ns: str, sha1: str) -> Entry | None:
-        """The entry of a file that is on disk now (asked of the directory, not the index:
-        a directory's mtime cannot show a change made in the same timestamp tick as our
-        last refresh, and a child must never land on a parent another process removed)."""
-        entry = self.index.get(ns, sha1)
-        state = self._namespace(ns)
-        if entry is None or state is None:
-            return None
-        try:
-            if os.stat(f"{sha1}.kv", dir_fd=state.fd, follow_symlinks=False).st_ino == entry.inode:
-                return entry
-        except FileNotFoundError:
-            pass
-        self._refresh(ns, True)  # it changed under a stale view: learn the directory again
-        return self.index.get(ns, sha1)
 
     def _shortfall(self, size: int, incoming: int) -> int:
         """Bytes to free so a file of ``size`` fits the budget and the watermark

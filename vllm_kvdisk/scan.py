@@ -4,7 +4,9 @@ index from the directory (mixed into it; it uses the store's namespaces and mute
 * A scan reads only each file's first bytes (header, sections table, stored-id digests);
   payloads are never touched. A refresh is one stat of a namespace directory when nothing
   changed, else a re-listing: files another process added are indexed, files it deleted
-  or replaced (a new inode) are forgotten or re-indexed.
+  or replaced (a new inode) are forgotten or re-indexed. An mtime read within a timestamp
+  tick of the directory's last change is not trusted (the next refresh lists again): a
+  change in that tick would not move it.
 * Only a file proven corrupt in this build's format version is quarantined. A file of
   another version is skipped (remembered by inode, so it is not re-read); one that cannot
   be read right now (EIO, ESTALE, EMFILE) keeps its directory "changed" and is tried again.
@@ -33,6 +35,16 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 KV_NAME = re.compile(r"^[0-9a-f]{40}\.kv$")
+RACY_NS = 50_000_000  # above any kernel's timestamp tick (jiffies: 1-10 ms)
+
+
+def racy(mtime_ns: int, looked_ns: int) -> bool:
+    """Whether a directory whose mtime was read at ``looked_ns`` may still change without
+    that mtime moving: timestamps are coarse (a jiffy on ext4, a second on some file
+    systems), so a change in the same tick as the look leaves the same mtime. Such an
+    mtime is not remembered, and the next refresh lists the directory again."""
+    tick = 1_000_000_000 if mtime_ns % 1_000_000_000 == 0 else RACY_NS
+    return looked_ns - mtime_ns < tick
 
 
 class ScanMixin:
@@ -73,6 +85,7 @@ class ScanMixin:
         if state is None:
             self._forget_namespace(ns)
             return True
+        looked_ns = time.time_ns()
         mtime = os.fstat(state.fd).st_mtime_ns
         if not force and mtime == state.mtime_ns:
             return False
@@ -98,8 +111,8 @@ class ScanMixin:
         for sha1 in set(state.skipped) - set(listed):
             del state.skipped[sha1]
         # A file we could not read right now keeps the directory "changed", so the next
-        # refresh tries it again.
-        state.mtime_ns = mtime if complete else -1
+        # refresh tries it again; so does an mtime too recent to be trusted.
+        state.mtime_ns = mtime if complete and not racy(mtime, looked_ns) else -1
         return True
 
     @staticmethod
