@@ -143,10 +143,9 @@ def soak(model: str, work: str, minutes: float, budget_mb: int, say) -> None:
         p.wait(timeout=120)
     answered = [json.load(open(o)) for o in outs]
     n = [len(a) for a in answered]
-    bad = 0
-    for s, answers in zip(seeds, answered):
-        ref = references(model, {s: len(answers)})[s]
-        bad += sum(not (a["first"] == a["again"] == r) for a, r in zip(answers, ref))
+    refs = references(model, dict(zip(seeds, n)))
+    bad = sum(not (a["first"] == a["again"] == r)
+              for s, answers in zip(seeds, answered) for a, r in zip(answers, refs[s]))
     store = Store(kv, space_bytes=budget_mb << 20, readonly=True)
     report = verify(store)
     say(f"2. two engines, one directory, budget {budget_mb} MiB, {minutes:g} min: "

@@ -182,7 +182,7 @@ def rank_group(info: Mapping[str, object]) -> str | None:
     except (TypeError, ValueError):
         return None
     rest = {k: v for k, v in info.items() if k not in ("tp_rank", "digest")}
-    body = json.dumps(rest, sort_keys=True, separators=(",", ":"), default=str).encode()
+    body = json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(body).hexdigest()[:16]
 
 

@@ -25,7 +25,6 @@ import signal
 import time
 from typing import Any
 
-
 from vllm_kvdisk.config import KVDiskConfig
 from vllm_kvdisk.control import RequestControl, tool_entries
 from vllm_kvdisk.diagnose import Diagnostics, LookupReport
