@@ -98,3 +98,38 @@ def test_a_symlinked_or_unwritable_log_directory_is_a_warning_not_a_crash(tmp_pa
     log = ToolLog(str(tmp_path), "tok", max_ids=10)
     assert not log.available and not log.append(call(1)) and log.poll() == []
     assert os.listdir(tmp_path / "elsewhere") == []
+
+
+def test_folding_dead_logs_never_loses_another_models_calls(tmp_path):
+    """Two models share a cache directory. A restarted server of model A folds the logs
+    whose writer is dead, and must leave model B's calls for B's next server."""
+    for scope, i in (("model-a", 1), ("model-b", 2)):
+        dead = ToolLog(str(tmp_path), scope, max_ids=10)
+        assert dead.append(call(i))
+        dead.close()
+    for name in os.listdir(tmp_path / DIRNAME):
+        os.utime(tmp_path / DIRNAME / name, (0, 0))  # writers gone long ago
+    a = ToolLog(str(tmp_path), "model-a", max_ids=10)
+    calls = a.poll()
+    assert calls == [call(1)]
+    a.fold_dead(newest_calls(calls, 10))
+    b = ToolLog(str(tmp_path), "model-b", max_ids=10)
+    assert b.poll() == [call(2)]
+    b.fold_dead(newest_calls(b.poll(), 10))
+    assert ToolLog(str(tmp_path), "model-a", max_ids=10).poll() == [call(1)]
+
+
+def test_a_dead_log_is_folded_only_once_read_and_a_torn_record_does_not_pin_it(tmp_path):
+    dead = ToolLog(str(tmp_path), "tok", max_ids=10)
+    dead.append(call(1))
+    dead.close()
+    (name,) = os.listdir(tmp_path / DIRNAME)
+    with open(tmp_path / DIRNAME / name, "ab") as fh:
+        fh.write(encode_record("tok", call(2))[:-3])  # killed mid-write
+    os.utime(tmp_path / DIRNAME / name, (0, 0))
+    fresh = ToolLog(str(tmp_path), "tok", max_ids=10)
+    assert fresh.fold_dead([]) == 0  # never read: it may hold calls nobody has
+    calls = fresh.poll()
+    assert calls == [call(1)]
+    assert fresh.fold_dead(newest_calls(calls, 10)) == 1
+    assert ToolLog(str(tmp_path), "tok", max_ids=10).poll() == [call(1)]

@@ -19,8 +19,10 @@ All integers little-endian. A bad record (wrong checksum, a length past its limi
 logged once and skipped by searching for the next magic; an incomplete last record is a
 write in progress (or a crash) and is read again later. Bounded: a writer whose log holds
 more than ``max_ids`` + 1024 records rewrites it with the newest ``max_ids`` (temp file,
-fsync, rename); logs whose writer is dead are folded into the reader's own log at
-start-up and deleted. Pure: standard library and xxhash.
+fsync, rename); at start-up, a dead writer's log that holds only the reader's own scope is
+folded into the reader's own log and deleted. A log that holds another scope's records
+(another model's server shares the directory) is left for that model's servers: folding
+must never lose a call another model may still replay. Pure: standard library and xxhash.
 """
 
 from __future__ import annotations
@@ -146,6 +148,7 @@ class ToolLog:
         self.max_ids = max_ids
         self._lock = threading.Lock()
         self._offsets: dict[str, int] = {}  # file -> bytes consumed
+        self._foreign: set[str] = set()  # files holding another scope's records
         self._warned: set[str] = set()
         self._fd: int | None = None
         self._name: str | None = None
@@ -242,16 +245,32 @@ class ToolLog:
             out += self._read_new(name)
         for gone in set(self._offsets) - set(names) - {self._name}:
             del self._offsets[gone]
+            self._foreign.discard(gone)
         return out
 
     def _read_new(self, name: str) -> list[ToolCall]:
         start = self._offsets.get(name, 0)
+        scanned = self._scan_file(name, start)
+        if scanned is None:
+            return []
+        start, records, used, bad = scanned
+        if bad:
+            self._warn(name, f"{bad} damaged record(s) skipped")
+        self._offsets[name] = start + used
+        if any(scope != self.scope for scope, _ in records):
+            self._foreign.add(name)
+        return [call for scope, call in records if scope == self.scope]
+
+    def _scan_file(self, name: str, start: int
+                   ) -> tuple[int, list[tuple[str, ToolCall]], int, int] | None:
+        """(where reading started, records, bytes used, bad records) of ``name`` past
+        ``start`` (from 0 if the file shrank: its writer rewrote it); None if unreadable."""
         try:
             fd = os.open(name, os.O_RDONLY | fsdir.NOFOLLOW, dir_fd=self._dir_fd)
         except OSError as exc:
             if exc.errno != errno.ENOENT:
                 self._warn(name, f"cannot open: {exc}")
-            return []
+            return None
         try:
             size = os.fstat(fd).st_size
             if size < start:  # rewritten by its writer: read it again from the start
@@ -264,14 +283,11 @@ class ToolLog:
                 buf += chunk
         except OSError as exc:
             self._warn(name, f"cannot read: {exc}")
-            return []
+            return None
         finally:
             os.close(fd)
         records, used, bad = scan_records(buf)
-        if bad:
-            self._warn(name, f"{bad} damaged record(s) skipped")
-        self._offsets[name] = start + used
-        return [call for scope, call in records if scope == self.scope]
+        return start, records, used, bad
 
     def _warn(self, name: str, what: str) -> None:
         if name not in self._warned:
@@ -279,15 +295,18 @@ class ToolLog:
             log.warning("kvdisk replay: tool-call log %s: %s", name, what)
 
     def fold_dead(self, newest: list[ToolCall]) -> int:
-        """Delete the logs whose writer is gone (their records were read by ``poll``),
-        after writing ``newest`` to this process's own log. Returns the logs deleted."""
+        """Delete the logs whose writer is gone and whose every record ``poll`` has read and
+        found in this scope, after writing ``newest`` to this process's own log. Returns
+        the logs deleted. A log with another scope's records is never touched here."""
         if self._dir_fd is None:
             return 0
         dead = []
         with os.scandir(self._dir_fd) as it:
             for de in it:
                 if (de.name.endswith(SUFFIX) and de.name != self._name
+                        and de.name not in self._foreign
                         and de.is_file(follow_symlinks=False)
+                        and self._read_whole(de.name)
                         and fsdir.writer_gone(self._dir_fd, de.name)):
                     dead.append(de.name)
         if not dead:
@@ -305,6 +324,16 @@ class ToolLog:
                 os.unlink(name, dir_fd=self._dir_fd)
             self._offsets.pop(name, None)
         return len(dead)
+
+    def _read_whole(self, name: str) -> bool:
+        """Whether ``poll`` has read every complete record of ``name``: a log that appeared
+        since, or grew, may hold records nobody has read. A torn last record (its writer
+        died mid-write) is no record."""
+        start = self._offsets.get(name)
+        if start is None:
+            return False
+        scanned = self._scan_file(name, start)
+        return scanned is not None and scanned[0] == start and not scanned[1]
 
     def close(self) -> None:
         with self._lock:
