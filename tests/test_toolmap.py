@@ -7,6 +7,7 @@ from vllm_kvdisk.toolmap import (
     DIRNAME,
     MAGIC,
     ToolCall,
+    Scan,
     ToolLog,
     encode_record,
     newest_calls,
@@ -20,18 +21,19 @@ def call(i: int) -> ToolCall:
 
 def test_records_round_trip_and_damage_is_skipped_not_fatal():
     raw = b"".join(encode_record("tok", call(i)) for i in range(3))
-    records, used, bad = scan_records(raw)
-    assert [c for _, c in records] == [call(0), call(1), call(2)] and used == len(raw) and not bad
+    found = scan_records(raw, "tok")
+    assert found.calls == [call(0), call(1), call(2)] and found.used == len(raw) and not found.bad
+    assert scan_records(raw, "another tokenizer") == Scan([], len(raw), 0, 3)
     broken = bytearray(raw)
     broken[len(encode_record("tok", call(0))) + 20] ^= 0xFF  # inside record 1's body
-    records, used, bad = scan_records(bytes(broken))
-    assert [c.ids for _, c in records] == [call(0).ids, call(2).ids] and bad == 1
-    records, used, bad = scan_records(raw[:-5])  # a write in progress: left for later
-    assert len(records) == 2 and used == len(raw) - len(encode_record("tok", call(2)))
+    found = scan_records(bytes(broken), "tok")
+    assert [c.ids for c in found.calls] == [call(0).ids, call(2).ids] and found.bad == 1
+    found = scan_records(raw[:-5], "tok")  # a write in progress: left for later
+    assert len(found.calls) == 2 and found.used == len(raw) - len(encode_record("tok", call(2)))
     garbage = os.urandom(5000) + raw
-    assert [c for _, c in scan_records(garbage)[0]][-3:] == [call(0), call(1), call(2)]
+    assert scan_records(garbage, "tok").calls[-3:] == [call(0), call(1), call(2)]
     huge = MAGIC + (0xFFFFFFFF).to_bytes(4, "little") + bytes(8)  # claims 4 GiB: not allocated
-    assert scan_records(huge)[0] == []
+    assert scan_records(huge, "tok").calls == []
 
 
 def test_a_call_is_on_disk_before_append_returns_and_other_processes_read_it(tmp_path):
@@ -133,3 +135,62 @@ def test_a_dead_log_is_folded_only_once_read_and_a_torn_record_does_not_pin_it(t
     assert calls == [call(1)]
     assert fresh.fold_dead(newest_calls(calls, 10)) == 1
     assert ToolLog(str(tmp_path), "tok", max_ids=10).poll() == [call(1)]
+
+
+def test_reading_a_large_log_takes_memory_bounded_by_a_window_not_by_the_log(tmp_path):
+    """A log may hold ~100k records before compaction. Reading it must be linear: the old
+    reader grew one ``bytes`` by 1 MiB chunks (each step copied everything read so far),
+    so its peak was twice the log and its time quadratic. Allocated bytes, not time, are
+    the measure here."""
+    import tracemalloc
+
+    os.makedirs(tmp_path / DIRNAME)
+    big = ToolCall(("other-model-call",), "x" * (64 << 10), (1, 2, 3))
+    record = encode_record("another model", big)
+    count = (24 << 20) // len(record)
+    with open(tmp_path / DIRNAME / "host-1-dead.ktl", "wb") as fh:
+        for _ in range(count):
+            fh.write(record)
+        fh.write(encode_record("tok", call(5)))
+    size = os.path.getsize(tmp_path / DIRNAME / "host-1-dead.ktl")
+    reader = ToolLog(str(tmp_path), "tok", max_ids=10)
+    tracemalloc.start()
+    try:
+        calls = reader.poll()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert calls == [call(5)]
+    assert peak < size // 2, f"peak {peak >> 20} MiB reading a {size >> 20} MiB log"
+
+
+def test_records_larger_than_the_read_window_and_across_its_edges_are_read(tmp_path):
+    os.makedirs(tmp_path / DIRNAME)
+    calls = [ToolCall((f"id-{i}",), "y" * n, tuple(range(i % 7)))
+             for i, n in enumerate([10, (1 << 20) - 3, 70_000, 1 << 20, 5, 300_000] * 3)]
+    calls.append(ToolCall(("many-tokens",), "z", tuple(range(1 << 18))))
+    with open(tmp_path / DIRNAME / "host-2-dead.ktl", "wb") as fh:
+        for c in calls:
+            fh.write(encode_record("tok", c))
+        fh.write(encode_record("tok", call(9))[:30])  # torn: left for later
+    assert ToolLog(str(tmp_path), "tok", max_ids=100).poll() == calls
+
+
+def test_a_fifo_or_a_directory_named_like_a_log_never_blocks_the_reader(tmp_path):
+    """A FIFO opened for reading blocks until a writer comes: the reader (the API server's
+    start-up, its polls) must refuse it, never wait on it."""
+    import threading
+
+    writer = ToolLog(str(tmp_path), "tok", max_ids=10)
+    writer.append(call(3))
+    os.mkfifo(tmp_path / DIRNAME / "a-fifo.ktl")
+    os.mkdir(tmp_path / DIRNAME / "a-dir.ktl")
+    reader = ToolLog(str(tmp_path), "tok", max_ids=10)
+    found: list = []
+    # Called by name, as a listing that raced with a rename would: no listing filter helps.
+    probe = threading.Thread(target=lambda: found.append(
+        (reader._scan_file("a-fifo.ktl", 0), reader._scan_file("a-dir.ktl", 0), reader.poll(),
+         reader.fold_dead([]))), daemon=True)
+    probe.start()
+    probe.join(120)  # only a reader stuck for good leaves this join without a result
+    assert found == [(None, None, [call(3)], 0)]

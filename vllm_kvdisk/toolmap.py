@@ -33,6 +33,7 @@ import fcntl
 import os
 import secrets
 import socket
+import stat
 import struct
 import threading
 from collections import OrderedDict
@@ -108,36 +109,79 @@ def decode_body(body: bytes) -> tuple[str, ToolCall]:
     return scope, ToolCall(tuple(ids), text, tuple(tokens))
 
 
-def scan_records(buf: bytes, start: int = 0) -> tuple[list[tuple[str, ToolCall]], int, int]:
-    """Records in ``buf[start:]``: (records, offset after the last complete record, bad
-    records skipped). An incomplete record at the end is left for a later read."""
-    out: list[tuple[str, ToolCall]] = []
-    pos, bad = start, 0
-    while pos + HEAD.size <= len(buf):
-        magic, length, checksum = HEAD.unpack_from(buf, pos)
-        if magic != MAGIC or length > MAX_BODY:
-            bad += 1
-            nxt = buf.find(MAGIC, pos + 1)
-            if nxt < 0:
-                return out, max(pos, len(buf) - len(MAGIC) + 1), bad
-            pos = nxt
-            continue
-        end = pos + HEAD.size + length
-        if end > len(buf):
-            break  # incomplete: a write in progress or a crash mid-write
-        body = buf[pos + HEAD.size:end]
-        try:
-            if xxhash.xxh3_64_intdigest(body) != checksum:
-                raise ValueError("checksum mismatch")
-            out.append(decode_body(body))
-            pos = end
-        except (ValueError, struct.error, UnicodeDecodeError):
-            bad += 1
-            nxt = buf.find(MAGIC, pos + 1)
-            if nxt < 0:
-                return out, end, bad
-            pos = nxt
-    return out, pos, bad
+@dataclass(slots=True)
+class Scan:
+    """What :func:`scan_records` found: the calls of one scope, the bytes consumed (up to
+    the end of the last complete record), damaged records skipped, and how many sound
+    records belonged to another scope (counted, never decoded)."""
+
+    calls: list[ToolCall]
+    used: int
+    bad: int
+    foreign: int
+
+
+def scan_records(buf: bytes | bytearray, scope: str) -> Scan:
+    """The records of ``scope`` in ``buf``. An incomplete record at the end is left for a
+    later read; bad bytes are skipped by searching for the next magic. Linear in
+    ``len(buf)``: bodies are checksummed in place and only this scope's are copied."""
+    want = scope.encode()
+    prefix = struct.pack("<H", len(want)) + want
+    calls: list[ToolCall] = []
+    pos = bad = foreign = 0
+    with memoryview(buf) as view:
+        while pos + HEAD.size <= len(buf):
+            magic, length, checksum = HEAD.unpack_from(buf, pos)
+            if magic != MAGIC or length > MAX_BODY:
+                bad += 1
+                nxt = buf.find(MAGIC, pos + 1)
+                if nxt < 0:
+                    return Scan(calls, max(pos, len(buf) - len(MAGIC) + 1), bad, foreign)
+                pos = nxt
+                continue
+            end = pos + HEAD.size + length
+            if end > len(buf):
+                break  # incomplete: a write in progress or a crash mid-write
+            body = view[pos + HEAD.size:end]
+            try:
+                if xxhash.xxh3_64_intdigest(body) != checksum:
+                    raise ValueError("checksum mismatch")
+                if body[:len(prefix)] != prefix:
+                    foreign += 1  # another model's: sound (checksummed), not ours to decode
+                else:
+                    calls.append(decode_body(bytes(body))[1])
+                pos = end
+            except (ValueError, struct.error, UnicodeDecodeError):
+                bad += 1
+                nxt = buf.find(MAGIC, pos + 1)
+                if nxt < 0:
+                    return Scan(calls, end, bad, foreign)
+                pos = nxt
+    return Scan(calls, pos, bad, foreign)
+
+
+def read_records(fd: int, start: int, size: int, scope: str) -> Scan:
+    """The records of ``scope`` in bytes ``[start, size)`` of ``fd``, read through one
+    reused window: memory is a window plus at most one record, however long the log (it
+    may hold ~100k records before compaction); ``used`` counts from ``start``."""
+    window = bytearray(min(READ_CHUNK, max(size - start, 0)))
+    pending = bytearray()  # read, not yet consumed: at most one incomplete record
+    out = Scan([], 0, 0, 0)
+    at = start
+    while at < size and window:
+        with memoryview(window) as view:
+            n = os.preadv(fd, [view[:min(len(window), size - at)]], at)
+            if n <= 0:
+                break
+            pending += view[:n]
+        at += n
+        found = scan_records(pending, scope)
+        out.calls += found.calls
+        out.used += found.used
+        out.bad += found.bad
+        out.foreign += found.foreign
+        del pending[:found.used]
+    return out
 
 
 class ToolLog:
@@ -253,41 +297,38 @@ class ToolLog:
         scanned = self._scan_file(name, start)
         if scanned is None:
             return []
-        start, records, used, bad = scanned
-        if bad:
-            self._warn(name, f"{bad} damaged record(s) skipped")
-        self._offsets[name] = start + used
-        if any(scope != self.scope for scope, _ in records):
+        start, found = scanned
+        if found.bad:
+            self._warn(name, f"{found.bad} damaged record(s) skipped")
+        self._offsets[name] = start + found.used
+        if found.foreign:
             self._foreign.add(name)
-        return [call for scope, call in records if scope == self.scope]
+        return found.calls
 
-    def _scan_file(self, name: str, start: int
-                   ) -> tuple[int, list[tuple[str, ToolCall]], int, int] | None:
-        """(where reading started, records, bytes used, bad records) of ``name`` past
-        ``start`` (from 0 if the file shrank: its writer rewrote it); None if unreadable."""
+    def _scan_file(self, name: str, start: int) -> tuple[int, Scan] | None:
+        """(where reading started, what was found) in ``name`` past ``start`` (from 0 if
+        the file shrank: its writer rewrote it); None if it is not a readable regular
+        file. Never blocks: a FIFO or a device named like a log is opened non-blocking
+        and refused."""
         try:
-            fd = os.open(name, os.O_RDONLY | fsdir.NOFOLLOW, dir_fd=self._dir_fd)
+            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | fsdir.NOFOLLOW, dir_fd=self._dir_fd)
         except OSError as exc:
             if exc.errno != errno.ENOENT:
                 self._warn(name, f"cannot open: {exc}")
             return None
         try:
-            size = os.fstat(fd).st_size
-            if size < start:  # rewritten by its writer: read it again from the start
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                self._warn(name, "not a regular file")
+                return None
+            if st.st_size < start:  # rewritten by its writer: read it again from the start
                 start = 0
-            buf = b""
-            while start + len(buf) < size:
-                chunk = os.pread(fd, min(READ_CHUNK, size - start - len(buf)), start + len(buf))
-                if not chunk:
-                    break
-                buf += chunk
+            return start, read_records(fd, start, st.st_size, self.scope)
         except OSError as exc:
             self._warn(name, f"cannot read: {exc}")
             return None
         finally:
             os.close(fd)
-        records, used, bad = scan_records(buf)
-        return start, records, used, bad
 
     def _warn(self, name: str, what: str) -> None:
         if name not in self._warned:
@@ -333,7 +374,8 @@ class ToolLog:
         if start is None:
             return False
         scanned = self._scan_file(name, start)
-        return scanned is not None and scanned[0] == start and not scanned[1]
+        return (scanned is not None and scanned[0] == start and not scanned[1].calls
+                and not scanned[1].foreign)
 
     def close(self) -> None:
         with self._lock:
