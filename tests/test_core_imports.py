@@ -5,7 +5,7 @@ import sys
 
 CORE = ["config", "keys", "format", "index", "eviction", "budget", "saverules", "planner", "fsdir", "scan",
         "store", "verify", "cli", "trace", "control", "lifecycle", "toolmap", "identity",
-        "diagnose", "policy", "replay", "replay_capture", "staging", "logs", "tokens"]
+        "diagnose", "policy", "replay", "replay_capture", "staging", "logs", "tokens", "compat"]
 
 
 def test_core_imports_without_vllm_or_torch():

@@ -149,14 +149,19 @@ class Fingerprint:
     layout: str
     block_size: int
     tp_size: int
-    tp_rank: int
+    tp_rank: int  # the KV shard: ranks that hold equal pages (MLA, replicated heads) share it
     lora: str = ""
     # Only the salt's digest is kept: the salt itself is a secret of its tenant.
     salt_digest: str = ""
     format_version: int = FORMAT_VERSION
+    # A pipeline stage holds only its layers: the stage and its layer range. Left out of
+    # the identity at PP 1, so a single-stage engine keeps the namespaces it always had.
+    pp_size: int = 1
+    pp_rank: int = 0
+    layers: str = ""
 
     def canonical(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        return json.dumps(self.describe(), sort_keys=True, separators=(",", ":")).encode()
 
     def digest(self) -> bytes:
         return hashlib.sha256(self.canonical()).digest()
@@ -165,7 +170,11 @@ class Fingerprint:
         return self.digest().hex()[:16]
 
     def describe(self) -> dict[str, object]:
-        return asdict(self)
+        out = asdict(self)
+        if self.pp_size == 1:
+            for key in ("pp_size", "pp_rank", "layers"):
+                del out[key]
+        return out
 
     def scoped(self, lora: str, salt_digest: str) -> Fingerprint:
         """The namespace of one LoRA adapter and cache salt on this engine."""
@@ -173,15 +182,16 @@ class Fingerprint:
 
 
 def rank_group(info: Mapping[str, object]) -> str | None:
-    """The TP group of a namespace from what its ``namespace.json`` says: equal for the
-    namespaces of all ranks of one engine (everything but ``tp_rank`` equal), None for
-    TP size 1 or a description that is not ours."""
+    """The rank group of a namespace from what its ``namespace.json`` says: equal for the
+    namespaces of all ranks of one engine (TP shards and pipeline stages: everything but
+    ``tp_rank``, ``pp_rank`` and ``layers`` equal), None for a single-rank engine or a
+    description that is not ours."""
     try:
-        if int(info.get("tp_size", 1)) <= 1:  # type: ignore[call-overload]
+        if int(info.get("tp_size", 1)) * int(info.get("pp_size", 1)) <= 1:  # type: ignore[call-overload]
             return None
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
-    rest = {k: v for k, v in info.items() if k not in ("tp_rank", "digest")}
+    rest = {k: v for k, v in info.items() if k not in ("tp_rank", "pp_rank", "layers", "digest")}
     body = json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(body).hexdigest()[:16]
 

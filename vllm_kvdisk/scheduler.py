@@ -61,10 +61,7 @@ class SchedulerSide:
                                config.kv_cache_continued_interval_tokens,
                                config.kv_cache_tail_checkpoints)
         self.stats = StatsRecorder()
-        self.store = Store(config.kv_disk_dir, space_bytes=config.space_bytes,
-                           min_free_bytes=config.min_free_bytes,
-                           allow_shared_dir=config.kv_disk_allow_shared_dir,
-                           lock_timeout_s=config.kv_disk_lock_timeout_s)
+        self.store = Store.from_config(config)
         started = time.monotonic()
         self.store.scan()
         self.planner = Planner(self.store.index, block_size, self.store.read_ids,
@@ -340,7 +337,7 @@ class SchedulerSide:
         """Remove this model's checkpoints (every LoRA, salt and TP rank of it) from disk.
         Each namespace directory is renamed away first, so concurrent readers only miss."""
         mine = {k: v for k, v in self.base_fp.describe().items()
-                if k not in ("lora", "salt_digest", "tp_rank")}
+                if k not in ("lora", "salt_digest", "tp_rank", "pp_rank", "layers")}
         removed = spaces = 0
         for ns in self.store.namespaces():
             info = self.store.namespace_info(ns)

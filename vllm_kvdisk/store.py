@@ -36,12 +36,13 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from vllm_kvdisk import fsdir
 from vllm_kvdisk.budget import BudgetMixin
+from vllm_kvdisk.config import KVDiskConfig
 from vllm_kvdisk.fileread import Meta, read_meta, read_text, read_token_range
 from vllm_kvdisk.format import HEADER_FIELD_HITS, HEADER_FIELD_LAST_USED, FormatError
 from vllm_kvdisk.index import Entry, Index
@@ -115,6 +116,15 @@ class Store(ScanMixin, BudgetMixin):
         fsdir.check_root(self.root, allow_shared=allow_shared_dir or readonly)
         self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._quarantined = Quarantine(self._root_fd, self.quarantine_max_bytes, clock)
+
+    @classmethod
+    def from_config(cls, config: KVDiskConfig, **kwargs: Any) -> Store:
+        """The store of an engine: both connector halves build it here, so no setting of
+        the config can reach one half and not the other."""
+        return cls(config.kv_disk_dir, space_bytes=config.space_bytes,
+                   min_free_bytes=config.min_free_bytes,
+                   allow_shared_dir=config.kv_disk_allow_shared_dir,
+                   lock_timeout_s=config.kv_disk_lock_timeout_s, **kwargs)
 
     def close(self) -> None:
         with self._mutex:

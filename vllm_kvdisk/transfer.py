@@ -2,7 +2,9 @@
 
 Each layer's cache is seen as ``[num_blocks, page_bytes]`` bytes (its logical per-block
 contents, whatever the backend packs inside a page), so a page is copied as an opaque unit
-and never reinterpreted. Gathering is one ``index_select`` per layer; scattering one
+and never reinterpreted. A backend that splits blocks into smaller kernel blocks hands
+views at kernel-block granularity; they are grouped back so a page is always one of the
+scheduler's blocks (``group_kernel_blocks``). Gathering is one ``index_select`` per layer; scattering one
 ``index_copy_`` (plain numpy row copies for the CPU backend's host-resident layers). The
 caller provides reusable host buffers (see ``staging.py``). On a GPU copies run on a side
 stream; ``gather`` returns only after the copy is complete, so the blocks may be freed
@@ -11,7 +13,8 @@ right after.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+import threading
+from contextlib import AbstractContextManager, nullcontext
 from typing import Sequence
 
 import numpy as np
@@ -57,19 +60,79 @@ def pinned_buffer(nbytes: int) -> np.ndarray:
         return np.empty(nbytes, dtype=np.uint8)
 
 
+def group_kernel_blocks(layers: Sequence[torch.Tensor], num_blocks: int) -> list[torch.Tensor]:
+    """Per-layer views with the scheduler's blocks as dim 0.
+
+    A backend whose kernel block is smaller than vLLM's block (FlashInfer, FlashMLA) hands
+    views of ``num_blocks x ratio`` kernel blocks; block ``b`` is kernel blocks
+    ``b*ratio .. b*ratio+ratio-1`` (vLLM's own ``group_kernel_blocks``), so grouping is a
+    view ``[num_blocks, ratio, ...]``: a page is then all of a block's kernel blocks. A
+    view whose block count is not a multiple of the engine's is refused, never copied."""
+    out = []
+    for t in layers:
+        rows = int(t.shape[0])
+        if rows == num_blocks:
+            out.append(t)
+        elif num_blocks > 0 and rows > num_blocks and rows % num_blocks == 0:
+            out.append(t.unflatten(0, (num_blocks, rows // num_blocks)))
+        else:
+            raise ValueError(
+                f"kvdisk: a KV cache view has {rows} blocks, which is not a whole number of "
+                f"kernel blocks per each of the engine's {num_blocks} blocks; its pages "
+                "cannot be addressed by block id")
+    return out
+
+
+class CudaStreams:
+    """The few CUDA calls the page copies make, in one place (tests replace it with a
+    recorder, since no GPU runs them here).
+
+    * An I/O thread sets the device before its first CUDA call: otherwise every rank but
+      0 creates a context on GPU 0.
+    * The compute stream is the one current on the engine thread when the caches are
+      registered; copies run on a side stream that first waits on it, so a gather sees
+      the forward's writes and a load never overwrites blocks the last step still reads.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.compute = torch.cuda.current_stream(device)
+        self.side = torch.cuda.Stream(device)
+        self._local = threading.local()
+
+    def enter_thread(self) -> None:
+        if not getattr(self._local, "ready", False):
+            torch.cuda.set_device(self.device)
+            self._local.ready = True
+
+    def after_compute(self) -> None:
+        self.side.wait_stream(self.compute)
+
+    def on_side(self) -> AbstractContextManager:
+        return torch.cuda.stream(self.side)
+
+    def finish(self) -> None:
+        self.side.synchronize()
+
+
 class PageMover:
-    def __init__(self, layers: Sequence[torch.Tensor], block_size: int, layout_name: str):
+    def __init__(self, layers: Sequence[torch.Tensor], block_size: int, layout_name: str, *,
+                 num_blocks: int = 0, tp_rank: int = 0, tp_size: int = 1,
+                 host_copies: bool = True, streams: CudaStreams | None = None):
+        """``num_blocks``: the engine's block count from its KV cache config (0: the
+        views' own). ``host_copies=False`` forces the torch page path a device uses."""
         if not layers:
             raise ValueError("kvdisk: no KV cache layers registered")
+        layers = group_kernel_blocks(layers, num_blocks or int(layers[0].shape[0]))
         first = layers[0]
         self.device = first.device
         self.num_blocks = first.shape[0]
-        self.layout = PageLayout(layout_name, block_size, len(layers), tuple(first.shape[1:]),
-                                 dtype_name(first.dtype))
-        self.layout.validate()
         for t in layers:
             if tuple(t.shape) != tuple(first.shape) or t.dtype != first.dtype:
                 raise ValueError("kvdisk: layers with different KV shapes are not supported")
+        self.layout = PageLayout(layout_name, block_size, len(layers), tuple(first.shape[1:]),
+                                 dtype_name(first.dtype), tp_rank, tp_size)
+        self.layout.validate()
         # Logical per-layer tensors, block dimension first. Indexing dim 0 copies exactly
         # one block's logical contents whatever the physical strides are.
         self._layers = list(layers)
@@ -77,11 +140,11 @@ class PageMover:
         # Host-resident contiguous layers (the CPU backend): plain byte views, so copies
         # are numpy row copies with no allocation at all.
         self._host: list[np.ndarray] | None = None
-        if self.device.type == "cpu" and all(t.is_contiguous() for t in layers):
+        if host_copies and self.device.type == "cpu" and all(t.is_contiguous() for t in layers):
             self._host = [t.view(torch.uint8).reshape(self.num_blocks, -1).numpy()
                           for t in layers]
-        self._pin = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if self._pin else None
+        self._cuda = streams if streams is not None else (
+            CudaStreams(self.device) if self.device.type == "cuda" else None)
 
     def _ids(self, block_ids: Sequence[int]) -> np.ndarray:
         """Block ids as int64, every one checked to name a block of this cache."""
@@ -91,8 +154,10 @@ class PageMover:
         return ids
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Block ids as a tensor on the cache's device; on a GPU call it inside the side
+        stream's context, so the upload is ordered with the copy that uses it."""
         ids = torch.from_numpy(self._ids(block_ids))
-        return ids.to(self.device, non_blocking=True) if self._pin else ids
+        return ids.to(self.device, non_blocking=True) if self._cuda is not None else ids
 
     def gather(self, block_ids: Sequence[int], out: Sequence[np.ndarray]) -> None:
         """Copy the pages of ``block_ids`` of every layer into ``out`` (one uint8 array of
@@ -105,16 +170,17 @@ class PageMover:
                 # (measured: half the speed of a plain copy instead of 0.8).
                 np.take(src, ids, axis=0, out=dst.reshape(n, self.page_bytes), mode="clip")
             return
-        idx = self._index(block_ids)
-        if self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+        cuda = self._cuda
+        if cuda is not None:
+            cuda.enter_thread()
+            cuda.after_compute()  # the forward that wrote these blocks comes first
+        with cuda.on_side() if cuda is not None else nullcontext():
+            idx = self._index(block_ids)
             for t, dst in zip(self._layers, out):
                 pages = torch.index_select(t, 0, idx).contiguous().view(torch.uint8)
-                torch.from_numpy(dst).reshape(n, -1).copy_(pages.reshape(n, -1),
-                                                           non_blocking=False)
-        if self._stream is not None:
-            self._stream.synchronize()
+                torch.from_numpy(dst).reshape(n, -1).copy_(pages.reshape(n, -1))
+        if cuda is not None:
+            cuda.finish()  # the blocks may be freed as soon as this returns
 
     @property
     def host_resident(self) -> bool:
@@ -144,13 +210,14 @@ class PageMover:
         if self._host is not None:
             self._host[layer][self._ids(block_ids)] = pages.reshape(n, self.page_bytes)
             return
-        idx = self._index(block_ids)
         target = self._layers[layer]
         src = torch.from_numpy(pages).reshape(-1).view(target.dtype).reshape(n, *target.shape[1:])
-        if self._stream is None:
-            target.index_copy_(0, idx, src)
-            return
-        with torch.cuda.stream(self._stream):
+        cuda = self._cuda
+        if cuda is not None:
+            cuda.enter_thread()  # an I/O thread: set the device, or it opens a context on GPU 0
+            cuda.after_compute()  # blocks just allocated may still be read by the last step
+        with cuda.on_side() if cuda is not None else nullcontext():
+            idx = self._index(block_ids)
             target.index_copy_(0, idx, src.to(self.device, non_blocking=True))
-        self._stream.synchronize()
-
+        if cuda is not None:
+            cuda.finish()

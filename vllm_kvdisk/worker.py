@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from vllm_kvdisk.budget import SaveSkipped
+from vllm_kvdisk.compat import Placement
 from vllm_kvdisk.config import KVDiskConfig
 from vllm_kvdisk.format import FormatError
 from vllm_kvdisk.index import Entry
@@ -49,17 +50,18 @@ IDLE_LOAD_WAIT_S = 0.005  # an empty step waits this long for a load to finish
 
 
 class WorkerSide:
-    def __init__(self, config: KVDiskConfig, fingerprint: Fingerprint, block_size: int):
+    def __init__(self, config: KVDiskConfig, fingerprint: Fingerprint, block_size: int,
+                 placement: Placement = Placement()):
         self.config = config
         self.stats = StatsRecorder()
-        # Token counts are per engine: only rank 0 counts them (bytes are per rank, summed).
-        self._counts_tokens = fingerprint.tp_rank == 0
+        self.placement = placement
+        # Token counts are per engine: only its first worker counts them (bytes are per
+        # rank, summed).
+        self._counts_tokens = placement.tp_rank == 0 and placement.pp_rank == 0
         self.base_fp = fingerprint
         self.block_size = block_size
         self.trace = Trace.from_config(config)
-        self.store = Store(config.kv_disk_dir, space_bytes=config.space_bytes,
-                           min_free_bytes=config.min_free_bytes, on_evict=self._on_evict,
-                           allow_shared_dir=config.kv_disk_allow_shared_dir)
+        self.store = Store.from_config(config, on_evict=self._on_evict)
         self.pool = ThreadPoolExecutor(config.kv_disk_io_threads, thread_name_prefix="kvdisk-io")
         self.staging = StagingPool(config.kv_disk_staging_mb * 1024 * 1024)
         self._readers = ThreadPoolExecutor(config.kv_disk_io_threads, thread_name_prefix="kvdisk-read")
@@ -76,8 +78,15 @@ class WorkerSide:
 
     # -- setup ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        place = self.placement
+        missing = sorted(set(place.layer_names) - set(kv_caches))
+        if missing:  # another stage's layers: its files would restore into the wrong layers
+            raise ValueError(f"kvdisk: the KV caches registered lack {len(missing)} layer(s) "
+                             f"of this worker's KV cache config, e.g. {missing[0]}")
         layers = [t for _, t in unique_layers(kv_caches)]
-        self.mover = PageMover(layers, self.block_size, self.base_fp.layout.split("/")[0])
+        self.mover = PageMover(layers, self.block_size, self.base_fp.layout.split("/")[0],
+                               num_blocks=place.num_blocks, tp_rank=place.shard.index,
+                               tp_size=place.shard.count)
         if self.mover.device.type == "cuda":
             self.staging.allocate = pinned_buffer  # device copies want page-locked memory
         self.restorer = Restorer(self.store, self.mover, self.staging, self._readers,
@@ -185,6 +194,10 @@ class WorkerSide:
         self._step_computed()
         mover = self.mover
         for job in meta.saves:
+            if not self.placement.shard.writer:  # another rank holds and writes these pages
+                if job.release_blocks:
+                    self._held.add(job.req_id)
+                continue
             pages: list[np.ndarray] | None = None
             try:
                 if mover is None:

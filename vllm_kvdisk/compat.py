@@ -1,0 +1,123 @@
+"""Which engine configurations kvdisk serves exactly, and what tells their pages apart.
+
+A page is restored byte for byte, so everything that changes what its bytes mean must be
+in the namespace identity, and a configuration whose pages kvdisk cannot copy whole (or
+whose block arithmetic it does not follow) must be refused at start-up, never run wrong:
+
+* **KV dtype.** Every 8-bit format is ``uint8`` in the cache tensors, so the identity is
+  vLLM's ``--kv-cache-dtype`` string, not the tensor dtype. Formats whose scales live
+  outside the tensors a connector is handed (per-token-head scales sit in separate scale
+  caches) or whose packed page format is not verified are refused.
+* **Parallelism.** A pipeline stage holds only its layers: stage and layer range are part
+  of the identity. Decode/prefill context parallelism shards a block's tokens across
+  ranks (a block then covers ``block_size x dcp`` tokens): refused.
+* **Replicated KV.** MLA's latent cache, and GQA with fewer KV heads than TP ranks, give
+  several ranks identical pages: those ranks share one namespace (the KV *shard*), one of
+  them writes it and all of them read it.
+
+Pure: the wiring reads plain values out of vLLM's config and calls these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# --kv-cache-dtype values whose pages hold everything a restore needs. "auto" and the
+# float names are the model's own dtype; fp8 per-tensor formats keep their scales in the
+# model's weights (part of the model identity), not per page.
+FLOAT_DTYPES = ("auto", "float16", "bfloat16", "float32")
+FP8_PER_TENSOR = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc")
+
+
+class UnsupportedConfig(ValueError):
+    """An engine setting kvdisk cannot serve exactly; the message names it."""
+
+
+def check_kv_dtype(cache_dtype: str) -> None:
+    """Refuse a ``--kv-cache-dtype`` whose pages do not hold everything a restore needs."""
+    if cache_dtype in FLOAT_DTYPES or cache_dtype in FP8_PER_TENSOR:
+        return
+    if cache_dtype.endswith("per_token_head"):
+        raise UnsupportedConfig(
+            f"kvdisk: --kv-cache-dtype {cache_dtype} keeps its per-token-head scales in "
+            "separate scale caches that a KV connector is not handed, so a restored page "
+            "would be read with another request's scales. Use --kv-cache-dtype fp8_e4m3 "
+            "(or auto), or run without kvdisk.")
+    raise UnsupportedConfig(
+        f"kvdisk: --kv-cache-dtype {cache_dtype} is not supported: its packed page format "
+        "(scales beside the values) is not verified to restore exactly. Use "
+        "--kv-cache-dtype fp8_e4m3 / fp8_e5m2 or auto, or run without kvdisk.")
+
+
+def kv_dtype_identity(cache_dtype: str, tensor_dtype: str,
+                      skip_layers: tuple[str, ...] = ()) -> str:
+    """The KV dtype part of the namespace identity, or UnsupportedConfig.
+
+    ``tensor_dtype`` is the cache tensors' dtype name (``float32``, ``uint8``, ...)."""
+    cache_dtype = str(cache_dtype or "auto")
+    check_kv_dtype(cache_dtype)
+    if cache_dtype in FLOAT_DTYPES:
+        return tensor_dtype
+    ident = cache_dtype
+    if skip_layers:  # those layers keep the model dtype: another page mix
+        ident += "+skip:" + ",".join(sorted(skip_layers))
+    return ident
+
+
+def check_context_parallel(dcp_size: int, pcp_size: int) -> None:
+    if dcp_size > 1 or pcp_size > 1:
+        which = ("--decode-context-parallel-size" if dcp_size > 1
+                 else "--prefill-context-parallel-size")
+        raise UnsupportedConfig(
+            f"kvdisk: {which} {max(dcp_size, pcp_size)} shards each block's tokens across "
+            "ranks (a block then covers block_size x the context-parallel size tokens), "
+            "which kvdisk's checkpoint arithmetic does not follow. Run with "
+            f"{which} 1, or without kvdisk.")
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Which KV shard a TP rank holds, and whether it writes that shard's files."""
+
+    index: int  # the namespace's tp_rank: ranks with equal pages share it
+    count: int
+    writer: bool
+
+
+def tp_replicas(tp_size: int, total_kv_heads: int, *, mla: bool) -> int:
+    """How many consecutive TP ranks hold identical KV, for a vLLM that does not say it
+    (``KVCacheConfig.kv_tp_replicas``): MLA replicates the latent on every rank; GQA with
+    fewer KV heads than ranks gives each head ``tp_size // total_kv_heads`` ranks
+    (``QKVParallelLinear``: rank r holds head ``r // replicas``)."""
+    if mla:
+        return tp_size
+    return max(1, tp_size // max(1, total_kv_heads))
+
+
+def kv_shard(tp_rank: int, tp_size: int, replicas: int) -> Shard:
+    """The KV shard of ``tp_rank`` when ``replicas`` consecutive ranks hold equal pages:
+    they share the shard's namespace, and the first of them writes it."""
+    if not 0 <= tp_rank < tp_size:
+        raise UnsupportedConfig(f"kvdisk: TP rank {tp_rank} outside 0..{tp_size - 1}")
+    if replicas < 1 or tp_size % replicas:
+        raise UnsupportedConfig(
+            f"kvdisk: {replicas} KV replicas do not divide --tensor-parallel-size {tp_size}")
+    return Shard(tp_rank // replicas, tp_size // replicas, tp_rank % replicas == 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a worker sits in the engine: its ranks, its KV shard, the layers it holds."""
+
+    tp_rank: int = 0
+    pp_rank: int = 0
+    shard: Shard = Shard(0, 1, True)
+    layer_names: tuple[str, ...] = ()  # empty: not checked
+    num_blocks: int = 0  # the scheduler's blocks (kernel blocks are grouped into these)
+
+
+def layer_range(names: list[str]) -> str:
+    """What a pipeline stage's files hold: its first and last KV layer, by name."""
+    if not names:
+        raise UnsupportedConfig("kvdisk: this worker holds no KV cache layers")
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
