@@ -393,3 +393,27 @@ def test_files_record_the_shard_they_hold(tmp_path):
         assert (meta.payload.layout.tp_rank, meta.payload.layout.tp_size) == (1, 2)
     finally:
         w.shutdown()
+
+
+def test_an_engine_with_another_kernel_split_misses_without_quarantining(tmp_path):
+    """Engines whose backends split blocks differently share a namespace (the scheduler
+    cannot know the worker's kernel block); their pages have other shapes. The other's file
+    is a miss for each, never restored and never quarantined as corrupt."""
+    block = 64
+    views = split_views("LBHNC", block, 32)
+    for v in views.values():
+        v.copy_(torch.randn(v.shape))
+    split = worker(tmp_path, block, Placement(num_blocks=NUM_BLOCKS, layer_names=tuple(views)))
+    split.register_kv_caches(views)
+    sha1 = save(split, [0, 1])
+    whole = worker(tmp_path, block, Placement(num_blocks=NUM_BLOCKS))
+    whole.register_kv_caches({k: torch.zeros(NUM_BLOCKS, 2, block, 8) for k in views})
+    try:
+        before = [t.clone() for t in whole.mover._layers]
+        assert load(whole, sha1, 2 * block, [4, 5]) == [4, 5]  # recomputed
+        assert all(torch.equal(t, b) for t, b in zip(whole.mover._layers, before))
+        assert list((tmp_path / "kv").rglob(f"{sha1}.kv")), "a sound file was quarantined"
+        assert load(split, sha1, 2 * block, [4, 5]) == []  # still the split engine's hit
+    finally:
+        split.shutdown()
+        whole.shutdown()
