@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import xxhash
@@ -35,7 +35,12 @@ import xxhash
 from vllm_kvdisk.fileread import Summary
 from vllm_kvdisk.format import Reason
 
-MAX_WALK_STEPS = 512  # candidate checks per lookup: bounds what hostile trees can cost
+# Candidate checks per lookup that did not extend the path by a whole file (a digest that
+# differs, a partial read of stored ids): bounds what hostile trees can cost. A whole
+# match is not counted: each file is visited at most once per lookup (it is a candidate
+# only under its own parent), so a chain of any length restores completely, at a cost
+# linear in its length.
+MAX_WALK_STEPS = 512
 
 Key = tuple[str, str]  # (namespace, sha1)
 IdsReader = Callable[["Entry", int, int], "np.ndarray | None"]
@@ -108,6 +113,11 @@ class Segment:
     @property
     def whole(self) -> bool:
         return self.upto == self.entry.tokens
+
+
+# A lookup's path as a linked list (its last segment, the path before it): extending a
+# path costs O(1), not a copy of every segment before it (quadratic in a long chain).
+_Path = Optional[tuple[Segment, "_Path"]]
 
 
 @dataclass(slots=True)
@@ -292,6 +302,38 @@ class Index:
         out.reverse()
         return out
 
+    def orphans(self) -> list[Entry]:
+        """Files whose chain is broken (``chain`` would say None), each link looked at
+        once: a verdict is remembered for every file on the way to a root or a break, so
+        a chain of n files costs n steps, not n^2 / 2."""
+        sound: dict[Key, bool] = {}
+        out: list[Entry] = []
+        for entry in list(self._entries.values()):
+            path: list[Entry] = []
+            on_path: set[str] = set()
+            e = entry
+            while True:
+                known = sound.get(e.key)
+                if known is not None:
+                    verdict = known
+                    break
+                path.append(e)
+                on_path.add(e.sha1)
+                if e.parent is None:
+                    verdict = True
+                    break
+                parent = self._entries.get((e.ns, e.parent))
+                if (parent is None or parent.sha1 in on_path  # a cycle: hostile files
+                        or not parent.parent_tokens < e.parent_tokens <= parent.tokens):
+                    verdict = False
+                    break
+                e = parent
+            for seen in path:
+                sound[seen.key] = verdict
+                if not verdict:
+                    out.append(seen)
+        return out
+
     @staticmethod
     def segments_of(chain: Sequence[Entry]) -> list[Segment]:
         """The blocks each file of a chain contributes: up to where its child starts."""
@@ -308,22 +350,22 @@ class Index:
         raw = memoryview(ids).cast("B")
         limit = min(limit, len(ids))
         limit -= limit % block_size
-        best: tuple[int, int, list[Segment]] = (0, 0, [])  # (tokens, -files, segments)
-        steps = 0
-        # Depth-first over candidates: (node sha1 or "", pos, hasher over [0, pos), path)
-        stack: list[tuple[str, int, xxhash.xxh3_64, list[Segment]]] = [
-            ("", 0, xxhash.xxh3_64(), [])]
+        best: tuple[int, int, _Path] = (0, 0, None)  # (tokens, -files, path)
+        wasted = 0
+        # Depth-first over candidates: (node sha1 or "", pos, hasher over [0, pos), files,
+        # path)
+        stack: list[tuple[str, int, xxhash.xxh3_64, int, _Path]] = [
+            ("", 0, xxhash.xxh3_64(), 0, None)]
         while stack:
-            node, pos, hasher, path = stack.pop()
-            if (pos, -len(path)) > best[:2]:
-                best = (pos, -len(path), path)
+            node, pos, hasher, files, path = stack.pop()
+            if (pos, -files) > best[:2]:
+                best = (pos, -files, path)
             at = self._next.get((ns, node, pos))
             if at is None or pos + block_size > limit:
                 continue
             head = xxhash.xxh3_64_intdigest(raw[4 * pos:4 * (pos + block_size)])
             for cand in at.get(head, ()):
-                steps += 1
-                if steps > MAX_WALK_STEPS:
+                if wasted >= MAX_WALK_STEPS:
                     break
                 if cand.pending and not include_pending:
                     continue
@@ -331,14 +373,22 @@ class Index:
                     whole = hasher.copy()
                     whole.update(raw[4 * pos:4 * cand.tokens])
                     if whole.intdigest() == cand.token_digest:
-                        stack.append((cand.sha1, cand.tokens, whole, path + [Segment(cand, cand.tokens)]))
+                        stack.append((cand.sha1, cand.tokens, whole, files + 1,
+                                      (Segment(cand, cand.tokens), path)))
                         continue
+                wasted += 1
                 upto = self._partial(cand, ids, pos, limit, block_size, read_ids)
                 if upto > pos:
                     part = hasher.copy()
                     part.update(raw[4 * pos:4 * upto])
-                    stack.append((cand.sha1, upto, part, path + [Segment(cand, upto)]))
-        result = Lookup(best[2])
+                    stack.append((cand.sha1, upto, part, files + 1, (Segment(cand, upto), path)))
+        segments: list[Segment] = []
+        link = best[2]
+        while link is not None:
+            segments.append(link[0])
+            link = link[1]
+        segments.reverse()
+        result = Lookup(segments)
         self._explain(ns, result, ids, block_size, limit)
         return result
 
