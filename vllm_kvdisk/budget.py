@@ -28,6 +28,7 @@ from vllm_kvdisk.fileread import summary_of
 from vllm_kvdisk.format import Encoded, FormatError
 from vllm_kvdisk.index import Entry, Key, entry_of
 from vllm_kvdisk.logs import get_logger
+from vllm_kvdisk.scan import KV_NAME
 
 log = get_logger(__name__)
 
@@ -86,7 +87,7 @@ class BudgetMixin:
         """Under the lock: check the parent, make room, then rename the temp file into
         place (``tmp`` None: only make room for a file of ``entry.size``)."""
         try:
-            with fsdir.locked(self._root_fd, self.lock_timeout_s), self._mutex:
+            with self.dir_lock(), self._mutex:
                 self._commit_locked(entry, tmp, protect)
         except fsdir.LockTimeout as exc:
             raise SaveSkipped("lock_timeout", str(exc)) from None
@@ -151,7 +152,7 @@ class BudgetMixin:
               dry_run: bool = False) -> list[Entry]:
         """Delete the lowest-scored leaves until ``need_bytes`` are freed (decided under the
         lock from a fresh listing). ``dry_run``: only say what would go."""
-        with fsdir.locked(self._root_fd, self.lock_timeout_s), self._mutex:
+        with self.dir_lock(), self._mutex:
             self._refresh_all(force=True)
             plan = plan_eviction(self.index, need_bytes, self.clock(), protect,
                                  groups=self.rank_groups())
@@ -168,7 +169,7 @@ class BudgetMixin:
     def remove_namespace(self, ns: str) -> int:
         """Remove a whole namespace; returns the files removed. The directory is renamed
         away first, so concurrent readers of it only miss."""
-        with fsdir.locked(self._root_fd, self.lock_timeout_s), self._mutex:
+        with self.dir_lock(), self._mutex:
             trash = f"{TRASH_PREFIX}{ns}-{os.getpid()}-{int(self.clock() * 1000)}"
             try:
                 os.rename(ns, trash, src_dir_fd=self._root_fd, dst_dir_fd=self._root_fd)
@@ -183,10 +184,14 @@ class BudgetMixin:
         try:
             with os.scandir(fd) as it:
                 for de in it:
-                    if de.is_file(follow_symlinks=False) or de.is_symlink():
-                        with contextlib.suppress(OSError):
-                            os.unlink(de.name, dir_fd=fd)
-                            removed += de.name.endswith(".kv")
+                    # Unlinking never opens: FIFOs, sockets and device nodes go too. A
+                    # directory someone made inside goes only if empty (never recursed).
+                    with contextlib.suppress(OSError):
+                        if de.is_dir(follow_symlinks=False):
+                            os.rmdir(de.name, dir_fd=fd)
+                            continue
+                        os.unlink(de.name, dir_fd=fd)
+                        removed += bool(KV_NAME.match(de.name))
         finally:
             os.close(fd)
         with contextlib.suppress(OSError):

@@ -8,7 +8,8 @@
     kvdisk stats DIR                     totals, per namespace
 
 Human sizes and ages by default, ``--json`` for scripts (raw bytes and seconds). Exit 0
-when all is well, 1 when ``verify`` found problems, 2 on bad input (a message on stderr).
+when all is well, 1 when ``verify`` found problems, 2 on bad input or an I/O error (a
+message on stderr, never a traceback).
 Progress goes to stderr when it is a terminal (tqdm).
 """
 
@@ -21,6 +22,7 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+from vllm_kvdisk import fsdir
 from vllm_kvdisk.fileread import read_meta, read_tool_map
 from vllm_kvdisk.format import DTYPE_NAMES, FLAG_DELTA, FLAG_TOOL_MAP, FormatError
 from vllm_kvdisk.index import Entry
@@ -151,16 +153,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     name = os.path.basename(path)
     if not KV_NAME.match(name):
         raise UsageError(f"{args.file}: not a <sha1>.kv file name")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:  # a FIFO or a device named like a checkpoint is refused, never opened blocking
+        fd = fsdir.open_regular(path)
     except OSError as exc:
         raise UsageError(f"{args.file}: {exc.strerror}") from None
     try:
-        meta = read_meta(fd, os.fstat(fd).st_size)
+        size = os.fstat(fd).st_size
+        meta = read_meta(fd, size)
         text_head = os.pread(fd, min(meta.text_len, 512), meta.offsets.text)
         tool_map = read_tool_map(fd, meta)
     except FormatError as exc:
         raise UsageError(f"{args.file}: not a valid checkpoint: {exc}") from None
+    except OSError as exc:
+        raise UsageError(f"{args.file}: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
     h, p = meta.header, meta.payload
@@ -201,7 +206,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("parent", f"{p.parent_sha1} (first {p.parent_tokens} tokens)" if p.parent_sha1 else "none (a root)"),
         ("created", f"{human_time(h.created)} ({human_age(now - h.created)} ago)"),
         ("last used", f"{human_time(h.last_used)} ({human_age(now - h.last_used)} ago), {h.hits} hit(s)"),
-        ("size", f"{human_bytes(os.path.getsize(path))}: text {human_bytes(meta.text_len)}, "
+        ("size", f"{human_bytes(size)}: text {human_bytes(meta.text_len)}, "
                  f"payload {human_bytes(h.payload_bytes)}"),
         ("layout", f"{lay['name']}: {lay['layers']} layers x {p.num_blocks} pages of "
                    f"{lay['page_shape']} {lay['page_dtype']} ({human_bytes(lay['page_bytes'])} "
@@ -357,6 +362,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except BrokenPipeError:
         return 0
+    except (OSError, FormatError) as exc:  # the directory changed or failed under us
+        print(f"kvdisk: {exc}", file=sys.stderr)
+        return 2
+    except MemoryError:
+        print("kvdisk: out of memory", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -3,6 +3,11 @@
 * Every path is opened relative to a directory descriptor with ``O_NOFOLLOW``: a symlink
   planted as a ``.kv`` file, a namespace, the quarantine or the lock file is never
   followed, so nothing is read from or written outside the root.
+* Every file is opened through :func:`open_regular`: ``O_NONBLOCK`` so a FIFO (or a
+  device) named like one of our files cannot block the open, then ``fstat`` on the
+  descriptor refuses anything that is not a regular file (:class:`NotRegularFile`). A
+  file with other hard links is never opened for writing: its other names may be
+  outside the root.
 * Writes go to a temp file in the same directory, locked (``flock``) by its writer while
   it is written, fsynced, then renamed into place and the directory fsynced. A temp file
   that nobody holds a lock on belongs to a dead writer and may be deleted at once; a live
@@ -28,6 +33,53 @@ NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 TMP_PREFIX = ".tmp-"
 TMP_GRACE_S = 10.0  # a temp file younger than this may be one whose writer has not locked it yet
 IOV_MAX = 1024
+
+
+class NotRegularFile(OSError):
+    """An entry named like one of our files is a FIFO, socket, device node or directory
+    (or, for writing, a file with other hard links): never ours, never read or written.
+    ``inode``: what ``fstat`` said, so a scan can remember it as skipped."""
+
+    def __init__(self, code: int, message: str, inode: int = 0):
+        super().__init__(code, message)
+        self.inode = inode
+
+
+_KIND_NAMES = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+               (stat.S_ISDIR, "a directory"))
+
+
+def open_regular(name: str, dir_fd: int | None = None, *, flags: int = os.O_RDONLY,
+                 mode: int = 0o600, single_link: bool = False) -> int:
+    """Open ``name`` (in ``dir_fd``) only if it is a regular file, never through a symlink,
+    never blocking on the open: a FIFO opened for reading without ``O_NONBLOCK`` waits for
+    a writer forever (a scan under the cache lock would hold the lock forever). ``O_NOCTTY``:
+    a terminal device named like our file never becomes this process's terminal.
+    ``single_link``: refuse a file with other hard links too (before writing in place).
+    The descriptor returned is blocking again. OSError, NotRegularFile for other kinds."""
+    try:
+        fd = os.open(name, flags | os.O_NONBLOCK | os.O_NOCTTY | NOFOLLOW, mode, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a socket, a device without its driver, a FIFO to write
+            raise NotRegularFile(errno.ENXIO, f"{name} is not a regular file "
+                                 "(a socket, a FIFO or a device)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((what for test, what in _KIND_NAMES if test(st.st_mode)),
+                        "not a file")
+            raise NotRegularFile(errno.EINVAL, f"{name} is not a regular file ({kind})",
+                                 st.st_ino)
+        if single_link and st.st_nlink > 1:
+            raise NotRegularFile(errno.EMLINK, f"{name} has {st.st_nlink} hard links: "
+                                 "never written in place", st.st_ino)
+        os.set_blocking(fd, True)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class LockTimeout(OSError):
@@ -155,13 +207,11 @@ def writer_gone(dir_fd: int, name: str, now: float | None = None) -> bool:
     """Whether the writer of a file it keeps locked while alive (a temp file, a tool-call
     log) is gone: nobody holds the lock and the file is not brand new."""
     try:
-        fd = os.open(name, os.O_RDONLY | NOFOLLOW, dir_fd=dir_fd)
+        fd = open_regular(name, dir_fd)
     except OSError:
-        return False
+        return False  # gone, or not a regular file: not a writer's file to remove
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return False
         if (now if now is not None else time.time()) - st.st_mtime < TMP_GRACE_S:
             return False
         try:
@@ -180,7 +230,7 @@ def locked(dir_fd: int, timeout_s: float, name: str = ".lock") -> Iterator[None]
     """Hold the exclusive cross-process lock file ``name`` of ``dir_fd``, waiting at most
     ``timeout_s``; LockTimeout otherwise. Each call opens its own descriptor, so threads
     of one process exclude each other too."""
-    fd = os.open(name, os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o600, dir_fd=dir_fd)
+    fd = open_regular(name, dir_fd, flags=os.O_RDWR | os.O_CREAT)
     try:
         deadline = time.monotonic() + timeout_s
         delay = 0.001

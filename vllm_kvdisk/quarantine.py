@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 from typing import Callable
 
 from vllm_kvdisk import fsdir
@@ -29,15 +30,20 @@ class Quarantine:
         self.max_bytes = max_bytes
         self.clock = clock
 
-    def move(self, dir_fd: int, ns: str, sha1: str, why: str, inode: int | None) -> bool:
-        """Move ``<sha1>.kv`` out of ``dir_fd`` (only if it is still ``inode``, when
-        given); True if it was moved."""
+    def move(self, dir_fd: int, ns: str, sha1: str, why: str, inode: int | None,
+             dev: int | None = None) -> bool:
+        """Move ``<sha1>.kv`` out of ``dir_fd``; True if it was moved. Only a regular file,
+        and only if it is still ``inode`` on ``dev``, when given. The caller holds the
+        directory lock (writers rename under it, so the name cannot change between this
+        check and the rename) and the descriptor it read (so the inode cannot be reused)."""
         name = f"{sha1}.kv"
         try:
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except OSError:
             return False
-        if inode is not None and st.st_ino != inode:
+        if not stat.S_ISREG(st.st_mode):
+            return False  # a FIFO, a device, a directory: not a file of ours, not evidence
+        if (inode is not None and st.st_ino != inode) or (dev is not None and st.st_dev != dev):
             return False  # a sound replacement written meanwhile: not ours to move
         try:
             qfd = fsdir.make_dir(DIRNAME, self.root_fd)

@@ -47,12 +47,16 @@ from vllm_kvdisk.transfer import PageMover
 
 
 class OpenFailed(Exception):
-    """A file of the chain failed its checks (``error``), with the inode it had."""
+    """A file of the chain failed its checks (``error``), with the inode it had and, when
+    it is proven corrupt, its descriptor still open (``fd``, else -1): the quarantine
+    must move the file that was read, and an open descriptor keeps its inode from being
+    reused by a replacement."""
 
-    def __init__(self, error: Exception, inode: int):
+    def __init__(self, error: Exception, inode: int, fd: int = -1):
         super().__init__(str(error))
         self.error = error
         self.inode = inode
+        self.fd = fd
 
 
 class StaleFile(Exception):
@@ -97,12 +101,14 @@ class Restorer:
         out = Outcome()
         expected = np.frombuffer(job.token_ids, dtype="<u4")
         opened: list[_Open] = []
+        failed_fd = -1
         try:
             for file in job.files:  # check every file before reading any page
                 try:
                     opened.append(self._open(ns, fingerprint, file, job, expected))
                 except OpenFailed as failed:
                     out.failed, out.error, out.failed_inode = file, failed.error, failed.inode
+                    failed_fd = failed.fd
                     break
             results = self._read_all(opened)
             bad = next((i for i, r in enumerate(results) if r is not None), None)
@@ -119,11 +125,13 @@ class Restorer:
                 failed = next((o for o in opened if o.file is out.failed), None)
                 if failed is not None:
                     on_corrupt(failed.file.sha1, str(out.error), os.fstat(failed.fd).st_ino)
-                else:  # it failed its checks while being opened: quarantine by name
+                else:  # it failed its checks while being opened (still open: failed_fd)
                     on_corrupt(out.failed.sha1, str(out.error), out.failed_inode)
         finally:
             for o in opened:
                 os.close(o.fd)
+            if failed_fd >= 0:
+                os.close(failed_fd)
         if out.failed is not None:
             bs = self.block_size
             first_bad = max(out.failed.start // bs, job.start_block)
@@ -165,6 +173,8 @@ class Restorer:
                 raise ValueError("load job has fewer target blocks than the file")
             return _Open(file, fd, meta, first_used, targets)
         except Exception as exc:  # noqa: BLE001
+            if isinstance(exc, FormatError):  # kept open until it is quarantined
+                raise OpenFailed(exc, inode, fd) from exc
             os.close(fd)
             raise OpenFailed(exc, inode) from exc
 

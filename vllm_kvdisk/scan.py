@@ -11,6 +11,9 @@ index from the directory (mixed into it; it uses the store's namespaces and mute
   another version is skipped (remembered by inode, so it is not re-read); one that cannot
   be read right now (EIO, ESTALE, EMFILE) keeps its directory "changed" and is tried again.
 * A temp file whose writer is gone (its lock is free) is removed by the next refresh.
+* Only regular files are opened, never blocking (``fsdir.open_regular``): a FIFO, socket,
+  device node or directory named like a checkpoint is skipped, never quarantined. A file
+  proven corrupt is quarantined while the descriptor it was read through is still open.
 
 Pure of vLLM and torch.
 """
@@ -116,38 +119,44 @@ class ScanMixin:
         return True
 
     @staticmethod
-    def _read_one(dir_fd: int, sha1: str) -> tuple[Summary, int, int, int] | Exception | None:
-        """(summary, size, inode, mtime ns) of one file, the exception it raised, or None
-        if gone."""
+    def _read_one(dir_fd: int, sha1: str) -> tuple[Any, int]:
+        """((summary, size, inode, mtime ns) of one file, the exception it raised, or None
+        if gone; the descriptor it was read through, or -1). The caller closes it."""
         try:
-            fd = os.open(f"{sha1}.kv", os.O_RDONLY | fsdir.NOFOLLOW, dir_fd=dir_fd)
+            fd = fsdir.open_regular(f"{sha1}.kv", dir_fd)
         except FileNotFoundError:
-            return None
+            return None, -1
         except OSError as exc:
-            return exc
+            return exc, -1
         try:
             st = os.fstat(fd)
-            try:
-                return read_summary(fd, st.st_size), st.st_size, st.st_ino, st.st_mtime_ns
-            except (FormatError, OSError) as exc:
-                exc.inode = st.st_ino  # type: ignore[union-attr]
-                return exc
-            except Exception as exc:  # noqa: BLE001 - a bug of ours, not proof of corruption
-                log.exception("kvdisk: cannot index %s.kv; leaving it alone", sha1)
-                found = UnsupportedFile(f"could not be indexed: {exc!r}")
-                found.inode = st.st_ino  # type: ignore[attr-defined]
-                return found
         except OSError as exc:
-            return exc
-        finally:
             os.close(fd)
+            return exc, -1
+        try:
+            return (read_summary(fd, st.st_size), st.st_size, st.st_ino, st.st_mtime_ns), fd
+        except (FormatError, OSError) as exc:
+            exc.inode, exc.dev = st.st_ino, st.st_dev  # type: ignore[union-attr]
+            return exc, fd
+        except Exception as exc:  # noqa: BLE001 - a bug of ours, not proof of corruption
+            log.exception("kvdisk: cannot index %s.kv; leaving it alone", sha1)
+            found = UnsupportedFile(f"could not be indexed: {exc!r}")
+            found.inode = st.st_ino  # type: ignore[attr-defined]
+            return found, fd
 
     def _read_files(self, dir_fd: int, names: list[str]) -> Iterator[tuple[str, Any]]:
         """Read the first bytes of many files, saying every 10 s how far a long scan is (a
-        slow volume). One thread: the parse holds the GIL, and two threads measured slower."""
+        slow volume). One thread: the parse holds the GIL, and two threads measured slower.
+        Each file's descriptor stays open while the caller handles what was found, so a
+        corrupt file is quarantined by the identity it was read through."""
         started = last = time.monotonic()
         for done, name in enumerate(names, start=1):
-            yield name, self._read_one(dir_fd, name)
+            found, fd = self._read_one(dir_fd, name)
+            try:
+                yield name, found
+            finally:
+                if fd >= 0:
+                    os.close(fd)
             if done % 1024 == 0:
                 now = time.monotonic()
                 if now - last >= 10:
@@ -159,13 +168,14 @@ class ScanMixin:
         """Index what ``_read_one`` found; False if the file should be tried again later."""
         if found is None:
             return True
-        if isinstance(found, UnsupportedFile):
+        if isinstance(found, (UnsupportedFile, fsdir.NotRegularFile)):
             state.skipped[sha1] = (getattr(found, "inode", 0), str(found))
             self.rejected.append((ns, sha1, f"unsupported: {found}"))
             return True
         if isinstance(found, FormatError):
-            self._quarantine(ns, sha1, str(found), inode=getattr(found, "inode", None))
-            return True
+            # None: the lock was busy; the directory stays "changed" and it is tried again.
+            return self._quarantine(ns, sha1, str(found), inode=getattr(found, "inode", None),
+                                    dev=getattr(found, "dev", None)) is not None
         if isinstance(found, OSError):
             return self._unreadable(ns, sha1, found)
         summary, size, inode, mtime_ns = found

@@ -19,8 +19,14 @@ Invariants:
 * Only a file proven corrupt in this build's format version is quarantined. A file of
   another version is left alone; one that cannot be read right now (EIO, ESTALE, EMFILE)
   is skipped and tried again at the next refresh.
-* Nothing is followed through a symlink (see ``fsdir``); an entry remembers its file's
-  inode, so a file replaced by another process is re-indexed, never mistaken for corrupt.
+* Nothing is followed through a symlink, and nothing that is not a regular file is
+  opened blocking or read (see ``fsdir``); an entry remembers its file's inode, so a file
+  replaced by another process is re-indexed, never mistaken for corrupt.
+* A file is quarantined only while the descriptor it was proven corrupt through is open,
+  and only if its name still is that file, checked and renamed under ``ROOT/.lock`` (the
+  lock every writer renames under): a sound replacement is never the one moved.
+* ``namespace.json`` is read bounded and must be a flat JSON object of scalars, what this
+  package writes; anything else (a FIFO, deep nesting, 1e400, a huge file) is "not ours".
 
 Pure of vLLM and torch.
 """
@@ -30,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import re
 import threading
@@ -56,6 +63,28 @@ log = get_logger(__name__)
 NS_NAME = re.compile(r"^[0-9a-f]{16}$")
 LOCK_TIMEOUT_S = 10.0
 IDS_CACHE_BYTES = 64 << 20
+NS_INFO_MAX_BYTES = 1 << 16  # ours are ~400 bytes
+
+
+def parse_namespace_info(raw: bytes) -> dict[str, object] | None:
+    """What a ``namespace.json`` says, if it is what this package writes: a JSON object of
+    scalars (finite numbers). Anything else is None, however it fails: the json module
+    raises RecursionError on deep nesting and accepts 1e400 as inf (which ``int()`` turns
+    into OverflowError), and a description no reader understands is not ours."""
+    if len(raw) > NS_INFO_MAX_BYTES:
+        return None
+    try:
+        info = json.loads(raw)
+    except (ValueError, RecursionError, OverflowError, TypeError, MemoryError):
+        return None
+    if not isinstance(info, dict):
+        return None
+    for value in info.values():
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if value is not None and not isinstance(value, (str, int, float, bool)):
+            return None
+    return info
 
 
 @dataclass(slots=True)
@@ -104,6 +133,7 @@ class Store(ScanMixin, BudgetMixin):
         # Guards the index and the descriptors: I/O threads of one process write, evict and
         # quarantine at once. Never held while waiting for the cross-process lock.
         self._mutex = threading.RLock()
+        self._held = threading.local()  # depth of ROOT/.lock held by this thread
         self._ns: dict[str, _Namespace] = {}
         self._ids: OrderedDict[tuple[str, str, int], np.ndarray] = OrderedDict()
         self._ids_bytes = 0
@@ -188,18 +218,30 @@ class Store(ScanMixin, BudgetMixin):
         return ns
 
     def namespace_info(self, ns: str) -> dict | None:
-        """What ``namespace.json`` says the namespace is (None if unreadable)."""
+        """What ``namespace.json`` says the namespace is (None if absent, unreadable or not
+        ours: see ``parse_namespace_info``)."""
+        return self._namespace_info(ns)[0]
+
+    def _namespace_info(self, ns: str) -> tuple[dict | None, bool]:
+        """(what namespace.json says, whether there is one to say it): a namespace whose
+        creator has not written it yet is asked again later; one that is not ours is not."""
         with self._mutex:
             state = self._namespace(ns)
             if state is None:
-                return None
+                return None, False
             try:
-                fd = os.open("namespace.json", os.O_RDONLY | fsdir.NOFOLLOW, dir_fd=state.fd)
-                with os.fdopen(fd, "rb") as fh:
-                    info = json.loads(fh.read(1 << 16))
-            except (OSError, ValueError):
-                return None
-        return info if isinstance(info, dict) else None
+                fd = fsdir.open_regular("namespace.json", state.fd)
+            except FileNotFoundError:
+                return None, False
+            except OSError:
+                return None, True
+            try:
+                raw = os.pread(fd, NS_INFO_MAX_BYTES + 1, 0)
+            except OSError:
+                return None, False
+            finally:
+                os.close(fd)
+        return parse_namespace_info(raw), True
 
     def rank_groups(self) -> dict[str, str]:
         """Indexed namespace -> TP group, for namespaces of engines with TP > 1 (what
@@ -211,8 +253,8 @@ class Store(ScanMixin, BudgetMixin):
                 if state is None:
                     continue
                 if not state.group_read:
-                    info = self.namespace_info(ns)  # None while its creator has not written it
-                    state.group, state.group_read = rank_group(info or {}), info is not None
+                    info, present = self._namespace_info(ns)
+                    state.group, state.group_read = rank_group(info or {}), present
                 if state.group is not None:
                     out[ns] = state.group
         return out
@@ -236,8 +278,11 @@ class Store(ScanMixin, BudgetMixin):
             state = self._namespace(ns)
             if state is None:
                 raise FileNotFoundError(errno.ENOENT, f"no namespace {ns}")
-            flags = (os.O_RDWR if writable else os.O_RDONLY) | fsdir.NOFOLLOW
-            return os.open(f"{sha1}.kv", flags, dir_fd=state.fd)
+            # Never a FIFO or a device (a blocking open would stall the engine's step);
+            # never written in place through a name with other hard links.
+            return fsdir.open_regular(f"{sha1}.kv", state.fd,
+                                      flags=os.O_RDWR if writable else os.O_RDONLY,
+                                      single_link=writable)
 
     @contextlib.contextmanager
     def open(self, ns: str, sha1: str) -> Iterator[tuple[int, Meta, os.stat_result]]:
@@ -306,24 +351,72 @@ class Store(ScanMixin, BudgetMixin):
                 entry.last_used = now
                 entry.used_ns = int(now_s * 1e9)
 
-    # -- quarantine -------------------------------------------------------------------
-    def quarantine(self, ns: str, sha1: str, why: str, *, inode: int | None = None) -> bool:
-        """Move a file proven corrupt aside (never delete evidence if it can be kept), drop
-        it from the index, count it. ``inode``: only if it is still that file (a sound
-        replacement written meanwhile by another process is left alone)."""
-        with self._mutex:
-            return self._quarantine(ns, sha1, why, inode=inode)
+    # -- the directory lock -----------------------------------------------------------
+    @contextlib.contextmanager
+    def dir_lock(self, timeout_s: float | None = None) -> Iterator[None]:
+        """Hold ``ROOT/.lock`` (LockTimeout after ``timeout_s``, default the store's).
+        Re-entrant within a thread: a refresh under a save's lock may quarantine, which
+        takes it too (a second flock of our own would wait for ourselves)."""
+        depth = getattr(self._held, "depth", 0)
+        if depth:
+            self._held.depth = depth + 1
+            try:
+                yield
+            finally:
+                self._held.depth = depth
+            return
+        with fsdir.locked(self._root_fd,
+                          self.lock_timeout_s if timeout_s is None else timeout_s):
+            self._held.depth = 1
+            try:
+                yield
+            finally:
+                self._held.depth = 0
 
-    def _quarantine(self, ns: str, sha1: str, why: str, *, inode: int | None = None) -> bool:
+    # -- quarantine -------------------------------------------------------------------
+    def quarantine(self, ns: str, sha1: str, why: str, *, inode: int | None = None,
+                   dev: int | None = None) -> bool:
+        """Move a file proven corrupt aside (never delete evidence if it can be kept), drop
+        it from the index, count it. ``inode``/``dev``: only if its name is still that file
+        (``fstat`` of the descriptor the caller read, still open, so the inode cannot have
+        been reused), checked and moved under the directory lock."""
+        if self.readonly:
+            with self._mutex:
+                self._forget_corrupt(ns, sha1, why, inode)
+            return False
+        try:
+            with self.dir_lock(), self._mutex:
+                return bool(self._quarantine(ns, sha1, why, inode=inode, dev=dev, wait=True))
+        except fsdir.LockTimeout as exc:
+            log.warning("kvdisk: %s/%s.kv not quarantined now: %s", ns, sha1, exc)
+            with self._mutex:
+                self._forget_corrupt(ns, sha1, why, inode)
+            return False
+
+    def _forget_corrupt(self, ns: str, sha1: str, why: str, inode: int | None) -> None:
         self.rejected.append((ns, sha1, why))
         entry = self.index.get(ns, sha1)
         if entry is not None and (inode is None or entry.inode == inode):
             self.index.remove(ns, sha1)
+
+    def _quarantine(self, ns: str, sha1: str, why: str, *, inode: int | None = None,
+                    dev: int | None = None, wait: bool = False) -> bool | None:
+        """Under the mutex; whether the file was moved. ``wait``: the caller holds or may
+        wait for the directory lock; otherwise (a scan, which must not wait for it while
+        holding the mutex) the lock is tried once, and a busy lock leaves the move to a
+        later refresh (None)."""
+        self._forget_corrupt(ns, sha1, why, inode)
         state = None if self.readonly else self._namespace(ns)
-        if state is None or not self._quarantined.move(state.fd, ns, sha1, why, inode):
+        if state is None:
             return False
-        self.stats.quarantined += 1
-        return True
+        try:
+            with self.dir_lock(None if wait else 0.0):
+                moved = self._quarantined.move(state.fd, ns, sha1, why, inode, dev)
+        except fsdir.LockTimeout:
+            return None
+        if moved:
+            self.stats.quarantined += 1
+        return moved
 
     def quarantined_files(self) -> list[str]:
         return self._quarantined.files()
@@ -337,8 +430,9 @@ class Store(ScanMixin, BudgetMixin):
                 if state is None:
                     continue
                 with os.scandir(state.fd) as it:
-                    for de in it:
-                        if de.name.startswith(fsdir.TMP_PREFIX):
+                    for de in it:  # a FIFO or a directory named like one is nobody's write
+                        if (de.name.startswith(fsdir.TMP_PREFIX)
+                                and de.is_file(follow_symlinks=False)):
                             out.append((ns, de.name, fsdir.writer_gone(state.fd, de.name)))
         return out
 

@@ -33,7 +33,6 @@ import fcntl
 import os
 import secrets
 import socket
-import stat
 import struct
 import threading
 from collections import OrderedDict
@@ -311,16 +310,13 @@ class ToolLog:
         file. Never blocks: a FIFO or a device named like a log is opened non-blocking
         and refused."""
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | fsdir.NOFOLLOW, dir_fd=self._dir_fd)
+            fd = fsdir.open_regular(name, self._dir_fd)
         except OSError as exc:
             if exc.errno != errno.ENOENT:
                 self._warn(name, f"cannot open: {exc}")
             return None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                self._warn(name, "not a regular file")
-                return None
             if st.st_size < start:  # rewritten by its writer: read it again from the start
                 start = 0
             return start, read_records(fd, start, st.st_size, self.scope)

@@ -12,6 +12,8 @@ Lines are appended with one ``write`` on an ``O_APPEND`` descriptor, so the sche
 the worker processes can share one file without interleaving inside a line. The file is
 bounded: past ``max_bytes`` it is renamed to ``FILE.1`` (replacing the previous one) and
 started again; a file moved away by logrotate is noticed within a second and reopened.
+Only a regular file is ever opened, never blocking (``fsdir.open_regular``): a FIFO or a
+device at the trace path is refused with a warning, and start-up goes on without a trace.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from vllm_kvdisk import fsdir
 from vllm_kvdisk.logs import get_logger
 
 log = get_logger(__name__)
@@ -93,13 +96,17 @@ def read(path: str, kinds: Iterable[str] | None = None) -> list[TraceEvent]:
     out: list[TraceEvent] = []
     for name in (path + ".1", path):
         try:
-            with open(name, encoding="utf-8", errors="replace") as fh:
-                for line in fh:
-                    event = parse(line)
-                    if event is not None and (wanted is None or event.kind in wanted):
-                        out.append(event)
+            fd = fsdir.open_regular(name)
         except FileNotFoundError:
             continue
+        except OSError as exc:  # a FIFO or a device would block or never end
+            log.warning("kvdisk: cannot read trace %s: %s", name, exc)
+            continue
+        with open(fd, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                event = parse(line)
+                if event is not None and (wanted is None or event.kind in wanted):
+                    out.append(event)
     return out
 
 
@@ -126,8 +133,8 @@ class Trace:
 
     def _open(self) -> None:
         try:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-                               | os.O_NOFOLLOW, 0o600)
+            self._fd = fsdir.open_regular(self.path, flags=os.O_WRONLY | os.O_APPEND
+                                          | os.O_CREAT)
         except OSError as exc:
             log.warning("kvdisk: cannot open trace %s: %s", self.path, exc)
             self._fd = None

@@ -5,18 +5,21 @@ SHA1 of their text (misnamed), chains whose parent is missing or inconsistent (o
 and temp files whose writer is gone. With ``fix`` the bad and misnamed files go to the
 quarantine, orphans are deleted (nothing can ever load them) and abandoned temp files
 removed; a live writer's temp file is reported, never touched. Files of another format
-version are listed, never changed. Pure of vLLM and torch.
+version are listed, never changed. Memory stays bounded whatever a file claims (a
+consistent header over a huge sparse file is read in chunks), and the chain check costs
+one look per file, not one per file and ancestor. Pure of vLLM and torch.
 """
 
 from __future__ import annotations
 
-import hashlib
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from vllm_kvdisk.fileread import read_layer_into, read_text, read_tokens, read_tool_map
+from vllm_kvdisk.fileread import check_layers, read_meta, read_tokens, read_tool_map, text_sha1
 from vllm_kvdisk.format import FormatError
+from vllm_kvdisk.index import Entry
 from vllm_kvdisk.store import Store
 
 
@@ -41,22 +44,36 @@ class Report:
         return not any(p.kind != "unsupported" for p in self.problems)
 
 
-def check_file(store: Store, ns: str, sha1: str) -> tuple[str, str] | None:
-    """Full read of one file; (kind, reason) if it is unsound, None if it is sound."""
+def check_file(store: Store, ns: str, sha1: str,
+               on_bad: Callable[[str, os.stat_result], None] | None = None
+               ) -> tuple[str, str] | None:
+    """Full read of one file; (kind, reason) if it is unsound, None if it is sound.
+    ``on_bad(why, stat)`` is called for an unsound file while its descriptor is still open
+    (``stat``: of that descriptor), so a quarantine moves exactly the file read."""
     try:
-        with store.open(ns, sha1) as (fd, meta, _):
-            if hashlib.sha1(read_text(fd, meta)).hexdigest() != sha1:
-                return "misnamed", "file name is not the SHA1 of its text"
-            read_tokens(fd, meta)
-            buf = memoryview(bytearray(meta.offsets.layer_bytes))
-            for layer in range(meta.payload.layout.num_layers):
-                read_layer_into(fd, meta, layer, buf)
-            read_tool_map(fd, meta)
-    except FormatError as exc:
-        return "bad", str(exc)
+        fd = store.open_file(ns, sha1)
     except OSError as exc:
         return "unreadable", str(exc)
-    return None
+    try:
+        st = os.fstat(fd)
+        try:
+            meta = read_meta(fd, st.st_size)
+            if text_sha1(fd, meta) != sha1:
+                found = ("misnamed", "file name is not the SHA1 of its text")
+            else:
+                read_tokens(fd, meta)
+                check_layers(fd, meta)
+                read_tool_map(fd, meta)
+                return None
+        except FormatError as exc:
+            found = ("bad", str(exc))
+        if on_bad is not None:
+            on_bad(found[1], st)
+        return found
+    except OSError as exc:
+        return "unreadable", str(exc)
+    finally:
+        os.close(fd)
 
 
 def verify(store: Store, *, jobs: int = 1,
@@ -76,11 +93,18 @@ def verify(store: Store, *, jobs: int = 1,
     if progress is not None:
         progress(0, total)
 
-    def one(entry):  # noqa: ANN001, ANN202
-        return entry, check_file(store, entry.ns, entry.sha1)
+    def one(entry: Entry) -> tuple[Entry, tuple[str, str] | None, bool]:
+        moved = []
+
+        def quarantine(why: str, st: os.stat_result) -> None:
+            moved.append(store.quarantine(entry.ns, entry.sha1, why, inode=st.st_ino,
+                                          dev=st.st_dev))
+
+        found = check_file(store, entry.ns, entry.sha1, quarantine if fix else None)
+        return entry, found, any(moved)
 
     with ThreadPoolExecutor(max(1, jobs)) as pool:
-        for done, (entry, found) in enumerate(pool.map(one, entries), start=1):
+        for done, (entry, found, moved) in enumerate(pool.map(one, entries), start=1):
             report.checked += 1
             report.bytes_checked += entry.size
             if progress is not None:
@@ -89,13 +113,10 @@ def verify(store: Store, *, jobs: int = 1,
                 continue
             kind, why = found
             report.problems.append(Problem(entry.ns, entry.sha1, kind, why))
-            if fix and kind != "unreadable":
-                if store.quarantine(entry.ns, entry.sha1, why, inode=entry.inode):
-                    report.fixed += 1
-    for entry in list(store.index.entries()):
-        if entry.parent and store.index.chain(entry.ns, entry.sha1) is None:
-            report.problems.append(Problem(entry.ns, entry.sha1, "orphan",
-                                           f"parent {entry.parent} missing or inconsistent"))
+            report.fixed += moved
+    for entry in store.index.orphans():
+        report.problems.append(Problem(entry.ns, entry.sha1, "orphan",
+                                       f"parent {entry.parent} missing or inconsistent"))
     if fix:
         # Deleting an orphan can orphan nothing new: its children are orphans already.
         for problem in report.problems:
