@@ -294,3 +294,37 @@ def test_worker_shortens_the_gil_switch_interval(tmp_path, us, expected):
         assert sys.getswitchinterval() == pytest.approx(expected)  # never lengthened
     finally:
         sys.setswitchinterval(before)
+
+
+def test_every_tp_rank_restores_its_own_file_of_a_job_planned_from_rank_0s_index(tmp_path):
+    """The scheduler plans from rank 0's namespace and sends the inodes it indexed there.
+    Rank 1's file of the same checkpoint is another file (another inode) in its own
+    namespace: it must load, not count as replaced; rank 0 still catches a replaced file."""
+    torch.manual_seed(0)
+    ranks = []
+    for rank in (0, 1):
+        fp = Fingerprint("m", "0", "float32", "cpu:test/1", BLOCK, 2, rank)
+        layers = [torch.rand(BLOCKS, 1, BLOCK, 8) for _ in range(LAYERS)]
+        cfg = load_config({"kv_disk_dir": str(tmp_path / "kv"), "kv_disk_min_free_mb": 0})
+        w = WorkerSide(cfg, fp, BLOCK)
+        w.register_kv_caches({f"model.layers.{i}.attn": t for i, t in enumerate(layers)})
+        ranks.append((w, layers, fp.dirname()))
+    try:
+        src, targets = list(range(FILE_BLOCKS)), list(range(40, 40 + FILE_BLOCKS))
+        (sha1,) = {save(w, src) for w, _, _ in ranks}
+        ns0 = ranks[0][2]
+        inode0 = os.stat(ranks[0][0].store.path(ns0, sha1)).st_ino
+        assert os.stat(ranks[1][0].store.path(ranks[1][2], sha1)).st_ino != inode0
+        end = FILE_BLOCKS * BLOCK
+        for w, layers, _ in ranks:
+            job = LoadJob("r", Scope(), [LoadFile(sha1, 0, end, end, inode0)], 0, targets,
+                          IDS[:end].tobytes(), indexed_ns=ns0)
+            assert w._load(job) == []
+            for t in layers:
+                assert torch.equal(t[targets], t[src])
+        replaced = LoadJob("r", Scope(), [LoadFile(sha1, 0, end, end, inode0 + 1)], 0,
+                           targets, IDS[:end].tobytes(), indexed_ns=ns0)
+        assert ranks[0][0]._load(replaced) == targets
+    finally:
+        for w, _, _ in ranks:
+            w.shutdown()

@@ -35,7 +35,7 @@ class LoadFile:
     start: int  # the file's parent_tokens
     upto: int  # restore its blocks up to here (its end, or where the prompt leaves it)
     tokens: int  # the file's own end (checked against its header)
-    inode: int = 0  # the file the index saw (0: unknown)
+    inode: int = 0  # the file the index saw, in the job's ``indexed_ns`` (0: unknown)
 
 
 @dataclass(slots=True)
@@ -47,6 +47,10 @@ class LoadJob:
     block_ids: list[int]  # engine block ids for request blocks [start_block, ...)
     token_ids: bytes = b""  # u32 LE ids of the prompt up to the hit: every file must hold them
     fail: str | None = None  # set when the scheduler could not plan it: report every block bad
+    # The namespace whose index gave the files' inodes: the scheduler's, TP rank 0's. Every
+    # rank runs the job on its own namespace, where a file of the same checkpoint is another
+    # file with another inode, so only a file in this namespace is held to them.
+    indexed_ns: str = ""
 
 
 @dataclass(slots=True)

@@ -196,7 +196,7 @@ class SchedulerSide:
             files = [LoadFile(s.entry.sha1, s.entry.parent_tokens, s.upto, s.entry.tokens,
                               s.entry.inode) for s in lookup.segments if s.upto > local]
             job = LoadJob(request.request_id, st.scope, files, start, block_ids,
-                          ids[:hit].astype("<u4").tobytes())
+                          ids[:hit].astype("<u4").tobytes(), indexed_ns=st.ns)
         except Exception as exc:  # noqa: BLE001 - the request must still get its answer
             self.stats.count("errors", "update_state_after_alloc")
             log.exception("kvdisk: planning the load of %s failed", request.request_id)
