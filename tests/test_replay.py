@@ -365,9 +365,10 @@ def test_streamed_calls_replay_and_changed_arguments_render_as_usual(tiny_model,
 
 
 def test_map_key_is_the_one_the_connector_reads():
-    from vllm_kvdisk.control import tool_entries
+    from vllm_kvdisk.control import RequestControl, tool_entries
 
     class Request:
         kv_transfer_params = {"client": 1, MAP_KEY: [["id-1", "<call>"], ["id-2", "absent"]]}
 
-    assert tool_entries(Request(), b"prompt <call> rest") == [("id-1", "<call>")]
+    control = RequestControl.from_request(Request())
+    assert tool_entries(control, b"prompt <call> rest") == [("id-1", "<call>")]

@@ -237,13 +237,20 @@ class SchedulerSide:
                 continue
             if not self.planner.reserve(plan, prompt, int(time.time())):
                 continue
-            self.events.planned((plan.ns, plan.sha1), request, plan.parent_tokens, length,
-                                st.scope.lora)
-            text = prompt.text_upto(length)
-            self._saves.append(SaveJob(
-                request.request_id, st.scope, plan, list(owned), text,
-                prompt.ids[:length].astype("<u4").tobytes(), self.context_size,
-                tool_map=tool_entries(request, text), release_blocks=release))
+            try:
+                self.events.planned((plan.ns, plan.sha1), request, plan.parent_tokens, length,
+                                    st.scope.lora)
+                text = prompt.text_upto(length)
+                self._saves.append(SaveJob(
+                    request.request_id, st.scope, plan, list(owned), text,
+                    prompt.ids[:length].astype("<u4").tobytes(), self.context_size,
+                    tool_map=tool_entries(st.control, text), release_blocks=release))
+            except Exception:
+                # A reservation nobody will report keeps has_pending_push_work() true and
+                # the engine stepping empty batches forever: give it back first.
+                self.store.index.release(plan.ns, plan.sha1)
+                self.events.dropped((plan.ns, plan.sha1))
+                raise
             planned = True
         return planned
 
