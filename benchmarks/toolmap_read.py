@@ -17,7 +17,7 @@ import tempfile
 import time
 import tracemalloc
 
-from vllm_kvdisk.toolmap import READ_CHUNK, ToolCall, encode_record, read_records, scan_records
+from vllm_kvdisk.replay.log import READ_CHUNK, ToolCall, encode_record, read_records, scan_records
 
 
 def reader_before(fd: int, size: int, scope: str) -> int:

@@ -4,8 +4,9 @@ import subprocess
 import sys
 
 CORE = ["config", "keys", "format", "index", "eviction", "budget", "saverules", "planner", "fsdir", "scan",
-        "store", "verify", "cli", "trace", "control", "lifecycle", "toolmap", "identity",
-        "diagnose", "policy", "replay", "replay_capture", "staging", "logs", "tokens", "compat"]
+        "store", "verify", "cli", "trace", "control", "lifecycle", "identity", "diagnose",
+        "policy", "replay", "replay.messages", "replay.memory", "replay.turns", "replay.log",
+        "replay.ktm", "replay.capture", "staging", "logs", "tokens", "compat"]
 
 
 def test_core_imports_without_vllm_or_torch():

@@ -217,7 +217,7 @@ def test_a_fifo_at_the_trace_path_never_hangs_start_up_or_a_reader(tmp_path):
 
 @HANG
 def test_a_fifo_in_place_of_a_tool_call_log_never_hangs_the_reader(tmp_path, monkeypatch):
-    from vllm_kvdisk.toolmap import DIRNAME, ToolCall, ToolLog
+    from vllm_kvdisk.replay.log import DIRNAME, ToolCall, ToolLog
 
     root = str(tmp_path / "kv")
     writer = ToolLog(root, "scope", 64)

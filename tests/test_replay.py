@@ -16,20 +16,12 @@ import requests
 from engine import Server, engine, events, generate, shared_prefix
 from synth import FP, byte_table, prompt_of, save
 
-from vllm_kvdisk.replay import (
-    MAP_KEY,
-    DiskToolMaps,
-    ToolMemory,
-    ToolRecord,
-    exact_text,
-    load_tool_maps,
-    make_signature,
-    plan_replay,
-    sentinel_messages,
-    splice,
-    strip_stop,
-)
-from vllm_kvdisk.replay_plugin import plugins_env
+from vllm_kvdisk.control import MAP_KEY
+from vllm_kvdisk.replay.ktm import DiskToolMaps, load_tool_maps
+from vllm_kvdisk.replay.memory import ToolMemory, ToolRecord, exact_text, strip_stop
+from vllm_kvdisk.replay.messages import make_signature
+from vllm_kvdisk.replay.plugin import plugins_env
+from vllm_kvdisk.replay.turns import plan_replay, sentinel_messages, splice
 from vllm_kvdisk.store import Store
 
 TOOLS = [{"type": "function", "function": {

@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "20")
     # Tool-call replay is an endpoint plugin: vLLM loads those only when VLLM_PLUGINS names them.
-    from vllm_kvdisk.replay_plugin import plugins_env
+    from vllm_kvdisk.replay.plugin import plugins_env
 
     os.environ["VLLM_PLUGINS"] = plugins_env(os.environ.get("VLLM_PLUGINS"))
     _run_vllm(args)

@@ -3,7 +3,7 @@
 import multiprocessing as mp
 import os
 
-from vllm_kvdisk.toolmap import (
+from vllm_kvdisk.replay.log import (
     DIRNAME,
     MAGIC,
     ToolCall,

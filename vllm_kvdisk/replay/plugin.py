@@ -41,22 +41,12 @@ from typing import Any
 
 from vllm_kvdisk.control import MAP_KEY
 from vllm_kvdisk.logs import get_logger
-from vllm_kvdisk.replay import (
-    DiskToolMaps,
-    Plan,
-    Signature,
-    ToolMemory,
-    ToolRecord,
-    exact_text,
-    make_signature,
-    message_tool_ids,
-    plan_replay,
-    sentinel_messages,
-    splice,
-    strip_stop,
-)
-from vllm_kvdisk.replay_capture import Tap, capture_stream
-from vllm_kvdisk.toolmap import ToolCall, ToolLog, newest_calls
+from vllm_kvdisk.replay.capture import Tap, capture_stream
+from vllm_kvdisk.replay.ktm import DiskToolMaps
+from vllm_kvdisk.replay.log import ToolCall, ToolLog, newest_calls
+from vllm_kvdisk.replay.memory import ToolMemory, ToolRecord, exact_text, strip_stop
+from vllm_kvdisk.replay.messages import Signature, make_signature, message_tool_ids
+from vllm_kvdisk.replay.turns import Plan, plan_replay, sentinel_messages, splice
 
 log = get_logger(__name__)
 

@@ -1,4 +1,4 @@
-"""The tool-call map on disk: an append-only, checksummed log every API server shares.
+"""The tool-call log (``.ktl``): an append-only, checksummed log every API server shares.
 
 When the server returns a tool call, the pair (tool-call ids -> the exact text and token
 ids the model sampled) is appended to this process's log *before* the response leaves, so

@@ -1,6 +1,6 @@
 """What the client received: the sampled token ids and the tool calls of a response, seen
 beside each other as the response passes (streamed or not). Used by
-:mod:`vllm_kvdisk.replay_plugin`; no vLLM import (outputs are duck-typed).
+:mod:`vllm_kvdisk.replay.plugin`; no vLLM import (outputs are duck-typed).
 
 * :class:`Tap` wraps the engine's output generator and keeps each choice's token ids.
 * :func:`capture_stream` passes an SSE stream through unchanged and, before ``[DONE]``,
@@ -14,7 +14,7 @@ import json
 from typing import Any, Protocol
 
 from vllm_kvdisk.logs import get_logger
-from vllm_kvdisk.replay import Signature, make_signature
+from vllm_kvdisk.replay.messages import Signature, make_signature
 
 log = get_logger(__name__)
 

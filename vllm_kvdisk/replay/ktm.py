@@ -1,0 +1,87 @@
+"""The tool maps in checkpoint files: the ``KTM`` section (the seed's map, tool-call id ->
+exact text) that the connector writes into a ``.kv`` file whose text contains the call.
+
+Not the tool-call log (:mod:`vllm_kvdisk.replay.log`, ``.ktl`` files): a KTM section holds
+no token ids (they are recovered from the file's stored ids) and exists only once a
+checkpoint past the call was written. Read-only; unreadable files are skipped.
+The codec is :func:`vllm_kvdisk.format.encode_tool_map` / ``decode_tool_map``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from vllm_kvdisk.fileread import read_tokens, read_tool_map
+from vllm_kvdisk.format import FormatError
+from vllm_kvdisk.keys import TokenTable
+from vllm_kvdisk.logs import get_logger
+from vllm_kvdisk.store import Store
+
+log = get_logger(__name__)
+
+
+class DiskToolMaps:
+    """Reads the KTM sections of a cache directory, read-only, each file once."""
+
+    def __init__(self, root: str):
+        self.store = Store(root, space_bytes=1, readonly=True)
+        self._seen: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def poll(self) -> list[tuple[str, str, str, str]]:
+        """(tool id, text, namespace, sha1) from files not read before, least recently used
+        file first. Unreadable files are skipped."""
+        with self._lock:
+            for ns in self.store.namespaces():
+                self.store.refresh(ns)
+            fresh = [e for e in list(self.store.index.entries())
+                     if (e.ns, e.sha1) not in self._seen]
+            fresh.sort(key=lambda e: (e.last_used, e.created, e.sha1))
+            self._seen &= set(self.store.index.keys())  # bounded by the files there are
+            out = []
+            for entry in fresh:
+                self._seen.add((entry.ns, entry.sha1))
+                try:
+                    with self.store.open(entry.ns, entry.sha1) as (fd, meta, _):
+                        pairs = read_tool_map(fd, meta)
+                except (FormatError, OSError, ValueError) as exc:
+                    log.debug("kvdisk replay: skipping %s/%s: %s", entry.ns, entry.sha1, exc)
+                    continue
+                out += [(tid, text, entry.ns, entry.sha1) for tid, text in pairs]
+            return out
+
+    def recover_tokens(self, ns: str, sha1: str, text: str, table: TokenTable
+                       ) -> tuple[int, ...] | None:
+        """The token ids the file holds for ``text``: an occurrence that starts and ends on
+        token boundaries (the ids the earlier request sent, sampled ones included)."""
+        try:
+            with self.store.open(ns, sha1) as (fd, meta, _):
+                ids = np.frombuffer(read_tokens(fd, meta), dtype="<u4").astype(np.int64)
+            rendered, ends = table.render(ids)
+        except (FormatError, OSError, ValueError) as exc:
+            log.debug("kvdisk replay: no tokens from %s/%s: %s", ns, sha1, exc)
+            return None
+        needle = text.encode()
+        starts = np.concatenate(([0], ends[:-1])) if len(ends) else ends
+        at = rendered.find(needle)
+        while needle and at >= 0:
+            i = int(np.searchsorted(starts, at))
+            j = int(np.searchsorted(ends, at + len(needle)))
+            if (i < len(starts) and starts[i] == at
+                    and j < len(ends) and ends[j] == at + len(needle)):
+                return tuple(int(t) for t in ids[i:j + 1])
+            at = rendered.find(needle, at + 1)
+        return None
+
+
+def load_tool_maps(kv_disk_dir: str) -> list[tuple[str, str]]:
+    """Every (tool-call id, exact text) pair in the KTM sections under ``kv_disk_dir``,
+    least recently used file first, one pair per id (the most recent file's). Read-only;
+    unreadable files are skipped."""
+    latest: dict[str, str] = {}
+    for tid, text, _, _ in DiskToolMaps(kv_disk_dir).poll():
+        latest.pop(tid, None)
+        latest[tid] = text
+    return list(latest.items())

@@ -1,0 +1,125 @@
+"""Which assistant turns of a request replay, and the prompt with their sampled ids in.
+
+An assistant message is replayed only if every one of its tool-call ids is known, all
+point to one record, and the message equals what the model produced (same names,
+JSON-equal arguments, same content; no reasoning). The message is then rendered with a
+sentinel as its only content and the sentinel is replaced by the sampled token ids, so
+the prompt equals prompt + sampled tokens of the earlier turn token for token. Anything
+else renders as usual: an id sent back with other arguments is never replayed.
+
+Invariants: replay never changes what a client's message says, only how the same message
+is tokenized; a record without token ids (loaded from a file whose tokens could not be
+matched) falls back to tokenizing its exact text; nothing here raises out of a lookup.
+Pure: no vLLM, no torch.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_kvdisk.replay.memory import ToolMemory, ToolRecord
+from vllm_kvdisk.replay.messages import Signature, message_signature, message_tool_ids
+
+
+@dataclass(slots=True)
+class Replay:
+    index: int  # position of the assistant message in the request's messages
+    ids: list[str]
+    record: ToolRecord
+
+
+@dataclass(slots=True)
+class Plan:
+    replays: list[Replay] = field(default_factory=list)
+    from_memory: int = 0
+    from_disk: int = 0
+    missing: int = 0
+    changed: int = 0
+    fallback: str | None = None  # why rendering did not use the plan
+
+    @property
+    def seen_ids(self) -> int:
+        return self.from_memory + self.from_disk + self.missing + self.changed
+
+    def summary(self) -> str:
+        if self.fallback:
+            return (f"none (rendered as usual: {self.fallback}); "
+                    f"{self.missing} missing, {self.changed} changed")
+        return (f"{self.from_memory} from memory, {self.from_disk} from disk, "
+                f"{self.missing} missing, {self.changed} changed")
+
+    def tool_map(self) -> list[list[str]]:
+        return [[tid, r.record.text] for r in self.replays for tid in r.ids]
+
+
+def plan_replay(messages: Sequence[Any], memory: ToolMemory,
+                sign: Callable[[ToolRecord], Signature | None]) -> Plan:
+    """Which assistant messages can be replayed. ``sign`` parses a disk record's text
+    into the message the client would have seen (None if it cannot)."""
+    plan = Plan()
+    for index, message in enumerate(messages):
+        ids = message_tool_ids(message)
+        if not ids:
+            continue
+        records = [memory.get(tid) for tid in ids]
+        known = [r for r in records if r is not None]
+        plan.missing += len(ids) - len(known)
+        if len(known) < len(ids):
+            plan.changed += len(known)
+            continue
+        record = known[0]
+        same = all(r is record or r.text == record.text for r in known)
+        if same and record.signature is None:
+            record.signature = sign(record)
+        if (not same or record.signature is None or record.signature.reasoning
+                or record.signature != message_signature(message)):
+            plan.changed += len(ids)
+            continue
+        if record.origin == "disk":
+            plan.from_disk += len(ids)
+        else:
+            plan.from_memory += len(ids)
+        plan.replays.append(Replay(index, ids, record))
+    return plan
+
+
+def sentinel_messages(messages: Sequence[Any], replays: Sequence[Replay]
+                      ) -> tuple[list[Any], list[str]]:
+    """The messages with each replayed assistant message reduced to a unique sentinel as
+    its content (alphanumeric, so no template escapes or trims it)."""
+    nonce = uuid.uuid4().hex
+    out = list(messages)
+    sentinels = []
+    for k, replay in enumerate(replays):
+        token = f"KVDISKREPLAY{nonce}X{k}Z"
+        sentinels.append(token)
+        out[replay.index] = {"role": "assistant", "content": token}
+    return out, sentinels
+
+
+def splice(text: str, sentinels: Sequence[str], replays: Sequence[Replay],
+           encode: Callable[[str], list[int]]) -> tuple[list[int], str] | None:
+    """Token ids and text of the rendered prompt with each sentinel replaced by the
+    replayed turn. The text between sentinels is tokenized on its own: the first piece is
+    exactly the earlier turn's prompt, which vLLM tokenized on its own too. None if a
+    sentinel is missing, repeated or out of order (the template did something else)."""
+    ids: list[int] = []
+    parts: list[str] = []
+    pos = 0
+    for token, replay in zip(sentinels, replays):
+        at = text.find(token, pos)
+        if at < 0 or text.count(token) != 1:
+            return None
+        piece = text[pos:at]
+        ids += encode(piece) if piece else []
+        parts += [piece, replay.record.text]
+        tokens = replay.record.token_ids
+        ids += list(tokens) if tokens is not None else encode(replay.record.text)
+        pos = at + len(token)
+    tail = text[pos:]
+    ids += encode(tail) if tail else []
+    parts.append(tail)
+    return ids, "".join(parts)
