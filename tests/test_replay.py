@@ -81,7 +81,10 @@ def test_only_unchanged_messages_with_known_ids_are_replayed():
     plan = plan_replay(messages, memory, sign=lambda r: None)
     assert [(r.index, r.ids) for r in plan.replays] == [(1, ["a"]), (7, ["d"])]
     assert (plan.from_memory, plan.from_disk, plan.missing, plan.changed) == (1, 1, 2, 3)
-    assert plan.summary() == "1 from memory, 1 from disk, 2 missing, 3 changed"
+    assert plan.summary() == (
+        "1 from memory, 1 from disk, 2 missing, 3 changed (as the template renders: "
+        "message 3: it differs from what was sampled; message 4: it differs from what was "
+        "sampled; message 5: 1 of 1 call(s) unknown; +1 more)")
     assert plan.tool_map() == [["a", "A"], ["d", "D"]]
     # A disk record is compared once the server's parser has signed it.
     memory.put("e", ToolRecord("E", None, None, "disk", ("ns", "sha1")))
@@ -350,8 +353,10 @@ def test_streamed_calls_replay_and_changed_arguments_render_as_usual(tiny_model,
         server.chat(turn_two(messages, changed), max_tokens=2, tools=TOOLS)
         server.chat(turn_two(messages, unknown), max_tokens=2, tools=TOOLS)
         assert replay_lines(trace) == [
-            "0 from memory, 0 from disk, 0 missing, 1 changed",
-            "0 from memory, 0 from disk, 1 missing, 0 changed"]
+            "0 from memory, 0 from disk, 0 missing, 1 changed (as the template renders: "
+            "message 2: it differs from what was sampled)",
+            "0 from memory, 0 from disk, 1 missing, 0 changed (as the template renders: "
+            "message 2: 1 of 1 call(s) unknown)"]
     finally:
         assert server.stop()["rc"] == 0
 

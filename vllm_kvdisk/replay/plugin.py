@@ -46,7 +46,14 @@ from vllm_kvdisk.replay.ktm import DiskToolMaps
 from vllm_kvdisk.replay.log import ToolCall, ToolLog, newest_calls
 from vllm_kvdisk.replay.memory import ToolMemory, ToolRecord, exact_text, strip_stop
 from vllm_kvdisk.replay.messages import Signature, make_signature, message_tool_ids
-from vllm_kvdisk.replay.turns import Plan, plan_replay, sentinel_messages, splice
+from vllm_kvdisk.replay.turns import (
+    Plan,
+    TurnOpening,
+    plan_replay,
+    sentinel_messages,
+    splice,
+    turn_opening,
+)
 
 log = get_logger(__name__)
 
@@ -255,8 +262,9 @@ class Replayer:
                     or "multi_modal_data" in prompt):
                 result, why = None, "the renderer does not produce text"
             else:
+                opening = await self._opening(original, params, sentinels[0])
                 result = await asyncio.to_thread(splice, text, sentinels, plan.replays,
-                                                 self._encode)
+                                                 self._encode, opening)
                 why = "the chat template did not render a replayed message verbatim"
         except Exception as exc:  # noqa: BLE001 - e.g. a template that insists on tool_calls
             result, why = None, f"rendering failed: {exc}"
@@ -271,6 +279,26 @@ class Replayer:
             if isinstance(message, dict) and message.get("content") in by_sentinel:
                 message["content"] = by_sentinel[message["content"]]
         return conversation, out
+
+    async def _opening(self, original: Any, params: Any, sentinel: str) -> TurnOpening | None:
+        """How this template opens an assistant turn after a generation prompt and before
+        plain content (two renders of a one-message conversation). None if it cannot be
+        told: the turns are then spliced where the template put the content."""
+        import dataclasses
+
+        try:
+            kwargs = dict(params.chat_template_kwargs or {})
+            kwargs.pop("continue_final_message", None)
+            user = {"role": "user", "content": "q"}
+            _, gen = await original([user], dataclasses.replace(
+                params, chat_template_kwargs={**kwargs, "add_generation_prompt": True}))
+            _, content = await original([user, {"role": "assistant", "content": sentinel}],
+                                        dataclasses.replace(params, chat_template_kwargs={
+                                            **kwargs, "add_generation_prompt": False}))
+            return turn_opening(gen["prompt"], content["prompt"], sentinel)
+        except Exception as exc:  # noqa: BLE001 - a template that refuses this conversation
+            log.debug("kvdisk replay: cannot tell how turns open: %s", exc)
+            return None
 
     def _encode(self, text: str) -> list[int]:
         # The template wrote any BOS itself; vLLM's chat default adds none either.

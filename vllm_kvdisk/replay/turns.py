@@ -39,6 +39,7 @@ class Plan:
     missing: int = 0
     changed: int = 0
     fallback: str | None = None  # why rendering did not use the plan
+    notes: list[str] = field(default_factory=list)  # why a turn renders as the template does
 
     @property
     def seen_ids(self) -> int:
@@ -46,10 +47,15 @@ class Plan:
 
     def summary(self) -> str:
         if self.fallback:
-            return (f"none (rendered as usual: {self.fallback}); "
+            line = (f"none (rendered as usual: {self.fallback}); "
                     f"{self.missing} missing, {self.changed} changed")
-        return (f"{self.from_memory} from memory, {self.from_disk} from disk, "
-                f"{self.missing} missing, {self.changed} changed")
+        else:
+            line = (f"{self.from_memory} from memory, {self.from_disk} from disk, "
+                    f"{self.missing} missing, {self.changed} changed")
+        if self.notes:  # bounded: a long conversation says its first reasons only
+            more = f"; +{len(self.notes) - 3} more" if len(self.notes) > 3 else ""
+            line += " (as the template renders: " + "; ".join(self.notes[:3]) + more + ")"
+        return line
 
     def tool_map(self) -> list[list[str]]:
         return [[tid, r.record.text] for r in self.replays for tid in r.ids]
@@ -69,14 +75,21 @@ def plan_replay(messages: Sequence[Any], memory: ToolMemory,
         plan.missing += len(ids) - len(known)
         if len(known) < len(ids):
             plan.changed += len(known)
+            plan.notes.append(f"message {index}: {len(ids) - len(known)} of {len(ids)} "
+                              "call(s) unknown")
             continue
         record = known[0]
         same = all(r is record or r.text == record.text for r in known)
         if same and record.signature is None:
             record.signature = sign(record)
-        if (not same or record.signature is None or record.signature.reasoning
-                or record.signature != message_signature(message)):
+        why = ("its calls come from different turns" if not same
+               else "its sampled text could not be parsed" if record.signature is None
+               else "it has reasoning" if record.signature.reasoning
+               else "it differs from what was sampled"
+               if record.signature != message_signature(message) else None)
+        if why is not None:
             plan.changed += len(ids)
+            plan.notes.append(f"message {index}: {why}")
             continue
         if record.origin == "disk":
             plan.from_disk += len(ids)
@@ -100,12 +113,43 @@ def sentinel_messages(messages: Sequence[Any], replays: Sequence[Replay]
     return out, sentinels
 
 
+@dataclass(frozen=True, slots=True)
+class TurnOpening:
+    """How the chat template opens an assistant turn. ``generation``: after the generation
+    prompt, where the model started sampling; ``content``: before the content of a plain
+    assistant message (where a sentinel lands). Templates differ here: a space before
+    content (Mistral), a newline only when content is not empty, trimmed headers."""
+
+    generation: str
+    content: str
+
+
+def turn_opening(with_generation: str, with_content: str, sentinel: str) -> TurnOpening | None:
+    """From two renders of one user message: with the generation prompt, and followed by
+    an assistant message whose content is ``sentinel``. None if the sentinel is not there."""
+    at = with_content.find(sentinel)
+    if at < 0:
+        return None
+    before = with_content[:at]
+    common = 0
+    for a, b in zip(with_generation, before):
+        if a != b:
+            break
+        common += 1
+    return TurnOpening(with_generation[common:], before[common:])
+
+
 def splice(text: str, sentinels: Sequence[str], replays: Sequence[Replay],
-           encode: Callable[[str], list[int]]) -> tuple[list[int], str] | None:
+           encode: Callable[[str], list[int]], opening: TurnOpening | None = None
+           ) -> tuple[list[int], str] | None:
     """Token ids and text of the rendered prompt with each sentinel replaced by the
-    replayed turn. The text between sentinels is tokenized on its own: the first piece is
-    exactly the earlier turn's prompt, which vLLM tokenized on its own too. None if a
-    sentinel is missing, repeated or out of order (the template did something else)."""
+    replayed turn, exactly as sampled: content, whitespace, every call and the text
+    between calls. With ``opening``, the template's content opening before each sentinel
+    becomes its generation prompt, so the text before a turn is exactly the prompt the
+    model sampled it after. Each piece between sentinels is tokenized on its own: the
+    first is exactly the earlier turn's prompt, which vLLM tokenized on its own too. None
+    if a sentinel is missing, repeated or out of order, or a turn does not open as
+    ``opening`` says (the template did something else)."""
     ids: list[int] = []
     parts: list[str] = []
     pos = 0
@@ -114,6 +158,10 @@ def splice(text: str, sentinels: Sequence[str], replays: Sequence[Replay],
         if at < 0 or text.count(token) != 1:
             return None
         piece = text[pos:at]
+        if opening is not None and opening.content != opening.generation:
+            if not piece.endswith(opening.content):
+                return None
+            piece = piece[:len(piece) - len(opening.content)] + opening.generation
         ids += encode(piece) if piece else []
         parts += [piece, replay.record.text]
         tokens = replay.record.token_ids
