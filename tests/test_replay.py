@@ -369,3 +369,42 @@ def test_map_key_is_the_one_the_connector_reads():
 
     control = RequestControl.from_request(Request())
     assert tool_entries(control, b"prompt <call> rest") == [("id-1", "<call>")]
+
+
+@pytest.mark.engine
+def test_a_template_that_opens_content_differently_keeps_the_hit_past_the_turn(tiny_model,
+                                                                               tmp_path):
+    """Like Mistral's (' ' + content after [/INST]), this template opens a plain assistant
+    message with a space the model never sampled after the generation prompt. The turn
+    must still come back exactly as sampled, after a restart, and the answer be exact."""
+    from vllm_kvdisk.tinymodel import CHAT_TEMPLATE
+
+    opening = "{%- if m.content %}{{- '\\n' + m.content }}{%- endif %}"
+    assert opening in CHAT_TEMPLATE
+    template = tmp_path / "space-before-content.jinja"
+    template.write_text(CHAT_TEMPLATE.replace(
+        opening, "{%- if m.content %}{{- '\\n ' + m.content }}{%- endif %}"))
+    kv, trace, log = str(tmp_path / "kv"), str(tmp_path / "trace.txt"), str(tmp_path / "log")
+    args = (*TOOL_ARGS, "--chat-template", str(template), "--trace", trace)
+    server = Server(tiny_model, kv, log, *args)
+    try:
+        messages = first_turn(server)
+        p1 = tokenize(server, messages)
+        reply = server.chat(messages, max_tokens=80, **FORCE)
+        call = reply["choices"][0]["message"]["tool_calls"][0]
+        sampled = sampled_ids(reply)
+    finally:
+        assert server.stop()["rc"] == 0
+    server = Server(tiny_model, kv, log, *args)  # a restart: the call comes from the log
+    try:
+        prompt2 = tokenize(server, turn_two(messages, call))
+        assert prompt2[:len(p1) + len(sampled)] == p1 + sampled  # the turn as sampled
+        turn2 = server.chat(turn_two(messages, call), max_tokens=4, tools=TOOLS,
+                            return_token_ids=True)
+        assert replay_lines(trace)[-1] == "0 from memory, 1 from disk, 0 missing, 0 changed"
+        floor = (len(p1) + len(sampled) - 1) // BLOCK * BLOCK  # what turn 1 computed
+        assert cached(turn2) >= floor > len(p1)
+    finally:
+        assert server.stop()["rc"] == 0
+    with engine(tiny_model, None, prefix_caching=False) as llm:
+        assert turn2["choices"][0]["token_ids"] == generate(llm, prompt2, max_tokens=4)[0]
