@@ -260,25 +260,67 @@ def read_layers_into(fd: int, meta: Meta, first: int,
             raise ValueError(f"buffers of {have} bytes for layer {first + i} of {want}")
     if first < 0 or first + len(layers) > meta.payload.layout.num_layers:
         raise ValueError(f"layers {first}..{first + len(layers) - 1} outside the file")
-    at = meta.offsets.layer(first)
-    pending = [v for views in layers for v in views if v.nbytes]
-    head = 0  # pending[head:] is still to read
-    while head < len(pending):
-        got = os.preadv(fd, pending[head:head + IOV_MAX], at)
-        if got <= 0:
-            raise FormatError(f"truncated file in layers {first}..{first + len(layers) - 1}")
-        at += got
-        while head < len(pending) and got >= pending[head].nbytes:  # complete buffers
-            got -= pending[head].nbytes
-            head += 1
-        if got:
-            pending[head] = pending[head][got:]
+    _preadv_exact(fd, [v for views in layers for v in views], meta.offsets.layer(first),
+                  f"layers {first}..{first + len(layers) - 1}")
     for i, views in enumerate(layers):
         hasher = xxhash.xxh3_64()
         for view in views:
             hasher.update(view)
         if hasher.intdigest() != meta.payload.checksums[first + i + 1]:
             raise FormatError(f"checksum mismatch in layer {first + i}")
+
+
+def _preadv_exact(fd: int, views: Sequence[memoryview], at: int, what: str) -> None:
+    """Fill ``views`` from offset ``at`` on, in order (preadv batched by IOV_MAX)."""
+    pending = [v for v in views if v.nbytes]
+    head = 0  # pending[head:] is still to read
+    while head < len(pending):
+        got = os.preadv(fd, pending[head:head + IOV_MAX], at)
+        if got <= 0:
+            raise FormatError(f"truncated file in {what}")
+        at += got
+        while head < len(pending) and got >= pending[head].nbytes:  # complete buffers
+            got -= pending[head].nbytes
+            head += 1
+        if got:
+            pending[head] = pending[head][got:]
+
+
+def read_layer_parts(fd: int, meta: Meta, layer: int,
+                     parts: Sequence[tuple[int, Sequence[memoryview] | None]],
+                     scratch: memoryview) -> None:
+    """Read one layer in file order and verify its checksum, keeping only some of it.
+
+    ``parts``: ``(nbytes, views)`` in file order, adding up to layer_bytes; ``views`` None
+    for bytes that are only checksummed (pages before or past the ones a restore uses),
+    read through ``scratch`` a piece at a time: memory stays bounded whatever the file
+    claims to hold. On a mismatch the views hold unverified bytes (garbage)."""
+    if sum(n for n, _ in parts) != meta.offsets.layer_bytes:
+        raise ValueError(f"parts do not cover layer {layer}")
+    if not 0 <= layer < meta.payload.layout.num_layers:
+        raise ValueError(f"layer {layer} outside the file")
+    at = meta.offsets.layer(layer)
+    hasher = xxhash.xxh3_64()
+    for nbytes, views in parts:
+        if views is None:
+            if nbytes and not scratch.nbytes:
+                raise ValueError("no scratch to read skipped pages through")
+            left = nbytes
+            while left:
+                piece = scratch[:min(left, scratch.nbytes)]
+                _preadv_exact(fd, [piece], at, f"layer {layer}")
+                hasher.update(piece)
+                at += piece.nbytes
+                left -= piece.nbytes
+            continue
+        if sum(v.nbytes for v in views) != nbytes:
+            raise ValueError(f"buffers for layer {layer} do not hold {nbytes} bytes")
+        _preadv_exact(fd, views, at, f"layer {layer}")
+        for view in views:
+            hasher.update(view)
+        at += nbytes
+    if hasher.intdigest() != meta.payload.checksums[layer + 1]:
+        raise FormatError(f"checksum mismatch in layer {layer}")
 
 
 def read_layer_into(fd: int, meta: Meta, layer: int, out: memoryview | Sequence[memoryview]) -> None:

@@ -24,7 +24,7 @@ no straggler may write into them afterwards.
 from __future__ import annotations
 
 import os
-from concurrent.futures import Executor, wait
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -33,7 +33,7 @@ import numpy as np
 from vllm_kvdisk.fileread import (
     Meta,
     pages_cached,
-    read_layer_into,
+    read_layer_parts,
     read_layers_into,
     read_meta,
     read_token_range,
@@ -44,6 +44,14 @@ from vllm_kvdisk.jobs import LoadFile, LoadJob
 from vllm_kvdisk.staging import StagingPool
 from vllm_kvdisk.store import Store
 from vllm_kvdisk.transfer import PageMover
+
+
+# Files of a chain open at once: each batch is checked whole, then read, then closed, so a
+# chain of any length restores completely with a bounded number of descriptors.
+BATCH_FILES = 256
+# Pages a restore does not use (before or past the prompt's part of a file) are read only
+# for their layer's checksum, through at most this much scratch per read.
+SCRATCH_BYTES = 16 << 20
 
 
 class OpenFailed(Exception):
@@ -100,10 +108,24 @@ class Restorer:
         name, even on a reused inode, is never the one quarantined)."""
         out = Outcome()
         expected = np.frombuffer(job.token_ids, dtype="<u4")
+        for at in range(0, len(job.files), BATCH_FILES):
+            if not self._load_batch(ns, fingerprint, job, job.files[at:at + BATCH_FILES],
+                                    expected, out, on_corrupt):
+                break  # this batch failed: its blocks from the failed file on are recomputed
+        if out.failed is not None:
+            bs = self.block_size
+            first_bad = max(out.failed.start // bs, job.start_block)
+            out.bad_blocks = job.block_ids[first_bad - job.start_block:]
+        return out
+
+    def _load_batch(self, ns: str, fingerprint: bytes, job: LoadJob, files: list[LoadFile],
+                    expected: np.ndarray, out: Outcome,
+                    on_corrupt: Callable[[str, str, int], None] | None) -> bool:
+        """Check every file of one batch, then read their pages; False if one failed."""
         opened: list[_Open] = []
         failed_fd = -1
         try:
-            for file in job.files:  # check every file before reading any page
+            for file in files:  # check every file of the batch before reading any page
                 try:
                     opened.append(self._open(ns, fingerprint, file, job, expected))
                 except OpenFailed as failed:
@@ -132,11 +154,7 @@ class Restorer:
                 os.close(o.fd)
             if failed_fd >= 0:
                 os.close(failed_fd)
-        if out.failed is not None:
-            bs = self.block_size
-            first_bad = max(out.failed.start // bs, job.start_block)
-            out.bad_blocks = job.block_ids[first_bad - job.start_block:]
-        return out
+        return out.failed is None
 
     # -- checks -------------------------------------------------------------------------
     def _open(self, ns: str, fingerprint: bytes, file: LoadFile, job: LoadJob,
@@ -239,40 +257,50 @@ class Restorer:
 
             return [lambda a=a, b=b: read(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
+        parts_bytes = (front * mover.page_bytes, back * mover.page_bytes)
+
         def one(layer: int) -> None:
-            scratch = self.staging.get((front + back) * mover.page_bytes)
+            scratch = self.staging.get(min(sum(parts_bytes), SCRATCH_BYTES))
             try:
-                views = mover.host_views(layer, runs)
-                if front:
-                    views = [memoryview(scratch[:front * mover.page_bytes])] + views
-                if back:
-                    views = views + [memoryview(scratch[front * mover.page_bytes:])]
-                read_layer_into(o.fd, meta, layer, views)
+                read_layer_parts(o.fd, meta, layer, [
+                    (parts_bytes[0], None),
+                    (len(o.targets) * mover.page_bytes, mover.host_views(layer, runs)),
+                    (parts_bytes[1], None)], memoryview(scratch))
             finally:
                 self.staging.put(scratch)
 
         return [lambda layer=layer: one(layer) for layer in layers]
 
     def _read_staged(self, o: _Open) -> None:
-        """Device cache: read into host staging, then copy into the blocks. Two buffers,
-        so layer i+1 is read (and checksummed) while layer i is copied."""
+        """Device cache: read the used pages into host staging (the others only through a
+        bounded scratch, for the checksum), then copy them into the blocks. Two sets of
+        buffers, so layer i+1 is read (and checksummed) while layer i is copied."""
         mover, meta = self.mover, o.meta
         p = meta.payload
+        pb = mover.page_bytes
         front = o.first_used - p.first_block
         used = len(o.targets)
-        flats = [self.staging.get(meta.offsets.layer_bytes) for _ in range(2)]
+        parts_bytes = (front * pb, (p.num_blocks - front - used) * pb)
+        scratch_bytes = min(sum(parts_bytes), SCRATCH_BYTES)
+        flats = [self.staging.get(used * pb) for _ in range(2)]
+        scratches = [self.staging.get(scratch_bytes) for _ in range(2)]
+
+        def read(layer: int) -> Future:
+            k = layer % 2
+            parts = [(parts_bytes[0], None), (used * pb, [memoryview(flats[k])]),
+                     (parts_bytes[1], None)]
+            return self.readers.submit(read_layer_parts, o.fd, meta, layer, parts,
+                                       memoryview(scratches[k]))
         pending = None
         try:
-            pending = self.readers.submit(read_layer_into, o.fd, meta, 0, memoryview(flats[0]))
+            pending = read(0)
             for layer in range(p.layout.num_layers):
                 pending.result()
                 if layer + 1 < p.layout.num_layers:
-                    nxt = memoryview(flats[(layer + 1) % 2])
-                    pending = self.readers.submit(read_layer_into, o.fd, meta, layer + 1, nxt)
-                pages = flats[layer % 2].reshape(p.num_blocks, mover.page_bytes)
-                mover.scatter(layer, o.targets, pages[front:front + used])
+                    pending = read(layer + 1)
+                mover.scatter(layer, o.targets, flats[layer % 2].reshape(used, pb))
         finally:
             if pending is not None:
                 wait([pending])  # never recycle a buffer a read is still filling
-            for flat in flats:
-                self.staging.put(flat)
+            for buf in flats + scratches:
+                self.staging.put(buf)
