@@ -46,7 +46,7 @@ def save(w: WorkerSide, blocks: list[int]) -> str:
     plan = SavePlan(w.base_fp.dirname(), sha1, tokens, None, 0, Reason.COLD)
     w.wait_for_save(StepMeta(saves=[SaveJob("r", Scope(), plan, blocks, text,
                                             IDS[:tokens].tobytes(), 4096)]))
-    w.pool.shutdown(wait=True)  # every save handed over is written (or failed) now
+    w.drain()
     return sha1
 
 
@@ -322,8 +322,12 @@ class RecordingStreams:
 
         self.calls.append(f"set_device@{threading.current_thread().name}")
 
-    def after_compute(self) -> None:
-        self.calls.append("side waits on compute")
+    def mark(self) -> str:
+        self.calls.append("event recorded on compute")
+        return "event"
+
+    def after_compute(self, event=None) -> None:
+        self.calls.append("side waits on compute" if event is None else f"side waits on {event}")
 
     def on_side(self):
         import contextlib
@@ -361,10 +365,13 @@ def test_device_copies_order_their_cuda_calls(monkeypatch):
                      "block ids to device", "index_copy_", "exit side", "synchronize side"]
     assert layers[1][[3, 5]].numpy().tobytes() == pages.tobytes()
     calls.clear()
+    # A save: the engine thread marks the end of the forward; the copy thread copies after it.
+    after = mover.mark()
     out = [np.empty(2 * mover.page_bytes, dtype=np.uint8) for _ in layers]
-    mover.gather([3, 5], out)
-    assert calls[1:] == ["side waits on compute", "enter side", "block ids to device",
-                         "exit side", "synchronize side"]
+    with ThreadPoolExecutor(1, thread_name_prefix="copy") as pool:
+        pool.submit(mover.gather, [3, 5], out, after).result()
+    assert calls == ["event recorded on compute", "set_device@copy_0", "side waits on event",
+                     "enter side", "block ids to device", "exit side", "synchronize side"]
     assert out[1].tobytes() == pages.tobytes()
 
 

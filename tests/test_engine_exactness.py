@@ -1,5 +1,7 @@
 """A disk restore gives exactly what the engine's own prefix cache (or no cache) gives."""
 
+import time
+
 import numpy as np
 import pytest
 from engine import engine, events, generate, random_prompt
@@ -43,8 +45,8 @@ def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_pat
     gather, block_runs = PageMover.gather, PageMover.block_runs
     read_layers_into = restore_mod.read_layers_into
 
-    def spy_gather(self, block_ids, out):
-        gather(self, block_ids, out)
+    def spy_gather(self, block_ids, out, after=None):
+        gather(self, block_ids, out, after)
         rows = out[0].reshape(len(block_ids), -1)
         for i, _ in enumerate(block_ids):
             written[len(written)] = rows[i].copy()
@@ -64,6 +66,9 @@ def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_pat
     prompt = random_prompt(1000, seed=2)  # one checkpoint: 896 tokens = 7 blocks
     with engine(tiny_model, str(tmp_path / "kv")) as llm:
         first, _ = generate(llm, prompt)
+        deadline = time.monotonic() + 30  # the copy runs after the step, on its own thread
+        while len(written) < 7 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert len(written) == 7
         llm.reset_prefix_cache()
         again, cached = generate(llm, prompt)

@@ -60,9 +60,10 @@ def save(w: WorkerSide, blocks: list[int], start: int = 0, parent: str | None = 
     plan = SavePlan(FP.dirname(), sha1, tokens, parent, start, Reason.COLD)
     w.wait_for_save(StepMeta(saves=[SaveJob("r", Scope(), plan, blocks, text,
                                             IDS[:tokens].tobytes(), 4096)]))
-    entry = w._inflight.get(sha1)
-    if entry is not None and not entry[0].result():
-        raise AssertionError("save failed")
+    w.drain()
+    report = w.build_connector_worker_meta()
+    if report is None or sha1 not in [e.sha1 for e in report.written]:
+        raise AssertionError(f"save failed: {report}")
     return sha1
 
 

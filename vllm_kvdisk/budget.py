@@ -33,7 +33,7 @@ from vllm_kvdisk.scan import KV_NAME
 log = get_logger(__name__)
 
 TRASH_PREFIX = ".trash-"
-SKIP_REASONS = ("no_space", "lock_timeout", "parent_gone", "namespace_removed")
+SKIP_REASONS = ("no_space", "lock_timeout", "parent_gone", "namespace_removed", "busy")
 
 
 class SaveSkipped(Exception):

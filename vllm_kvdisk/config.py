@@ -69,6 +69,10 @@ class KVDiskConfig:
     kv_disk_io_threads: int = knob(4, "reader/writer threads per worker", minimum=1)
     kv_disk_staging_mb: int = knob(2048, "host staging buffers kept for reuse between copies "
                                    "(fresh memory is slow to touch)", minimum=0, unit="MiB")
+    kv_disk_staging_inflight_mb: int = knob(
+        4096, "most host memory that saves in flight may hold (copied out, not yet written); "
+        "past it a save is skipped (saves_skipped{reason=\"busy\"}) rather than growing "
+        "memory or stalling the engine", minimum=1, unit="MiB")
     kv_disk_gil_switch_us: int = knob(
         500, "Python's GIL switch interval in the worker process (0 leaves Python's 5000): "
         "each system call of an I/O thread ends in a wait for the GIL that a busy engine "

@@ -69,6 +69,9 @@ class KVDiskConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         self._worker.bind_connector_metadata(connector_metadata)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._worker.handle_preemptions(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._worker.start_load_kv(self._get_connector_metadata())
 
@@ -76,7 +79,7 @@ class KVDiskConnector(KVConnectorBase_V1):
         return  # loads are asynchronous: the request waits in WAITING_FOR_REMOTE_KVS
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # pages are copied whole in wait_for_save (also works under CUDA graphs)
+        return  # pages are copied whole after the step (also works under CUDA graphs)
 
     def wait_for_save(self) -> None:
         self._worker.wait_for_save(self._get_connector_metadata())

@@ -63,8 +63,6 @@ class SaveJob:
     token_ids: bytes  # u32 LE ids of the whole prefix
     context_size: int
     tool_map: list[tuple[str, str]] = field(default_factory=list)
-    # The request has finished and its blocks are held for this copy (delay_free).
-    release_blocks: bool = False
 
 
 @dataclass
@@ -72,6 +70,12 @@ class StepMeta(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     step_tokens: int = 0  # tokens this step computes (the worker times prefill steps)
+    # Finished requests whose blocks the scheduler holds (delay_free) until the workers
+    # name them in finished_sending, once every page copy of theirs is done.
+    holds: list[str] = field(default_factory=list)
+    # Requests preempted in this step: their blocks are free again, so their copies must
+    # be complete before this step's forward may write into them.
+    flush: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -82,6 +86,7 @@ class WorkerReport(KVConnectorWorkerMetadata):
     failed_loads: list[str] = field(default_factory=list)  # req ids whose load fell short
     loads: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds)
     steps: list[tuple[int, float]] = field(default_factory=list)  # (tokens, forward seconds)
+    copied: list[str] = field(default_factory=list)  # a req id per save job whose copy ended
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:
         if isinstance(other, WorkerReport):
@@ -91,8 +96,9 @@ class WorkerReport(KVConnectorWorkerMetadata):
             self.failed_loads += other.failed_loads
             self.loads += other.loads
             self.steps += other.steps
+            self.copied += other.copied
         return self
 
     def __bool__(self) -> bool:
         return bool(self.written or self.failed_saves or self.removed or self.failed_loads
-                    or self.loads or self.steps)
+                    or self.loads or self.steps or self.copied)

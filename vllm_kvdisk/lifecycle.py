@@ -16,6 +16,9 @@ Invariants:
   it to recompute the invalid blocks, which looks like a preemption from here. It saves as
   usual once recomputed (a corrupt file's name gets a sound file again).
 * A preempted request (``RUNNING``, back in the queue) may load again.
+* A request with a page copy not yet confirmed by every worker keeps its blocks past
+  ``request_finished`` (``holds_blocks``) until the workers name it in finished_sending:
+  copies run after the step that planned them.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class RequestState:
     memo: Lookup | None = None
     memo_ids: np.ndarray | None = None
     declined: Decision | None = None  # the load policy found recomputing cheaper
+    copies_out: int = 0  # copy confirmations still due from the workers (one per job each)
 
     # -- questions ----------------------------------------------------------------------
     @property
@@ -63,6 +67,11 @@ class RequestState:
     @property
     def may_save(self) -> bool:
         return self.phase is not Phase.LOADING
+
+    @property
+    def holds_blocks(self) -> bool:
+        """Its pages may still be being copied out: the blocks wait for finished_sending."""
+        return self.copies_out > 0
 
     @property
     def computing(self) -> bool:

@@ -49,8 +49,10 @@ REFRESH_INTERVAL_S = 2.0
 
 class SchedulerSide:
     def __init__(self, config: KVDiskConfig, fingerprint: Fingerprint, table: TokenTable,
-                 block_size: int, context_size: int, *, events: bool = False):
+                 block_size: int, context_size: int, *, events: bool = False,
+                 workers: int = 1):
         self.config = config
+        self.workers = workers  # every worker confirms each save job's copy once
         self.base_fp = fingerprint
         self.table = table
         self.block_size = block_size
@@ -74,6 +76,8 @@ class SchedulerSide:
         self._reqs: dict[str, RequestState] = {}
         self._loads: list[LoadJob] = []
         self._saves: list[SaveJob] = []
+        self._holds: list[str] = []  # finished requests held for their copies, to tell workers
+        self._held: set[str] = set()  # ... until their finished_sending arrives
         self._ns_cache: dict[tuple[str, str], str] = {}
         self._last_refresh = 0.0
         self._stale: set[str] = set()  # namespaces to re-list at the next lookup
@@ -207,8 +211,8 @@ class SchedulerSide:
         self.report.hit(st.ns, lookup, ids, local, num_external_tokens, len(job.files))
 
     # -- saves ------------------------------------------------------------------------
-    def _plan_saves(self, st: RequestState, due: list[tuple[int, Reason]], block_ids: list[int],
-                    release: bool = False) -> bool:
+    def _plan_saves(self, st: RequestState, due: list[tuple[int, Reason]],
+                    block_ids: list[int]) -> bool:
         """Plan the due saves of one request; True if any was planned."""
         request = st.request
         cap = st.control.max_save_tokens
@@ -244,7 +248,8 @@ class SchedulerSide:
                 self._saves.append(SaveJob(
                     request.request_id, st.scope, plan, list(owned), text,
                     prompt.ids[:length].astype("<u4").tobytes(), self.context_size,
-                    tool_map=tool_entries(st.control, text), release_blocks=release))
+                    tool_map=tool_entries(st.control, text)))
+                st.copies_out += self.workers
             except Exception:
                 # A reservation nobody will report keeps has_pending_push_work() true and
                 # the engine stepping empty batches forever: give it back first.
@@ -282,6 +287,8 @@ class SchedulerSide:
             self.stats.count("errors", "build_connector_meta")
             log.exception("kvdisk: planning saves failed")
         meta.saves, self._saves = self._saves, []
+        meta.holds, self._holds = self._holds, []
+        meta.flush = [r for r in scheduler_output.preempted_req_ids or () if r in self._reqs]
         return meta
 
     def _checkpoint_running(self) -> None:
@@ -301,12 +308,24 @@ class SchedulerSide:
             # A request aborted mid-load is released by its finished_recving, never here.
             return False, None
         computed = min(request.num_computed_tokens, len(block_ids) * self.block_size)
-        due = self.rules.on_finished(computed)
-        return self._plan_saves(st, due, list(block_ids), release=True), None
+        self._plan_saves(st, self.rules.on_finished(computed), list(block_ids))
+        if not st.holds_blocks:
+            return False, None
+        # Some copy of its pages may still run (copies run after the step that planned
+        # them): the blocks stay until the workers name the request in finished_sending.
+        self._holds.append(request.request_id)
+        self._held.add(request.request_id)
+        return True, None
 
     # -- worker feedback --------------------------------------------------------------
     @guarded("update_connector_output", lambda: None)
     def update_connector_output(self, output: Any) -> None:
+        self._held.difference_update(output.finished_sending or ())
+        report = output.kv_connector_worker_meta
+        for req_id in report.copied if isinstance(report, WorkerReport) else ():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.copies_out -= 1
         for req_id in output.finished_recving or ():
             st = self._reqs.get(req_id)
             if st is not None:
@@ -360,9 +379,10 @@ class SchedulerSide:
         return True
 
     def has_pending_push_work(self) -> bool:
-        # Keep the engine stepping until saves in flight are reported: the index learns
-        # of them, metrics are current, and a SIGTERM drain waits for them.
-        return self.store.index.has_pending()
+        # Keep the engine stepping until saves in flight are reported (the index learns
+        # of them, metrics are current, and a SIGTERM drain waits for them) and until held
+        # blocks are given back.
+        return self.store.index.has_pending() or bool(self._held or self._holds)
 
     def get_kv_connector_stats(self) -> KVDiskStats | None:
         index, store = self.store.index, self.store

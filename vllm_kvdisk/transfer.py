@@ -7,8 +7,8 @@ views at kernel-block granularity; they are grouped back so a page is always one
 scheduler's blocks (``group_kernel_blocks``). Gathering is one ``index_select`` per layer; scattering one
 ``index_copy_`` (plain numpy row copies for the CPU backend's host-resident layers). The
 caller provides reusable host buffers (see ``staging.py``). On a GPU copies run on a side
-stream; ``gather`` returns only after the copy is complete, so the blocks may be freed
-right after.
+stream behind the compute stream; ``gather`` and ``scatter`` return only after the copy is
+complete (they run on the worker's copy and I/O threads, never on the engine thread).
 """
 
 from __future__ import annotations
@@ -105,8 +105,17 @@ class CudaStreams:
             torch.cuda.set_device(self.device)
             self._local.ready = True
 
-    def after_compute(self) -> None:
-        self.side.wait_stream(self.compute)
+    def mark(self) -> torch.cuda.Event:
+        """An event after the work queued on the compute stream so far (the forward)."""
+        event = torch.cuda.Event()
+        event.record(self.compute)
+        return event
+
+    def after_compute(self, event: torch.cuda.Event | None = None) -> None:
+        if event is not None:
+            self.side.wait_event(event)
+        else:
+            self.side.wait_stream(self.compute)
 
     def on_side(self) -> AbstractContextManager:
         return torch.cuda.stream(self.side)
@@ -159,9 +168,17 @@ class PageMover:
         ids = torch.from_numpy(self._ids(block_ids))
         return ids.to(self.device, non_blocking=True) if self._cuda is not None else ids
 
-    def gather(self, block_ids: Sequence[int], out: Sequence[np.ndarray]) -> None:
+    def mark(self) -> object | None:
+        """On a GPU, an event after the work queued so far on the compute stream (call it
+        on the engine thread after the forward; pass it to ``gather`` from any thread)."""
+        return self._cuda.mark() if self._cuda is not None else None
+
+    def gather(self, block_ids: Sequence[int], out: Sequence[np.ndarray],
+               after: object | None = None) -> None:
         """Copy the pages of ``block_ids`` of every layer into ``out`` (one uint8 array of
-        len(block_ids) x page_bytes per layer, e.g. from a StagingPool)."""
+        len(block_ids) x page_bytes per layer, e.g. from a StagingPool). ``after``: a
+        ``mark()``; without one the copy waits for everything queued on the compute
+        stream."""
         n = len(block_ids)
         if self._host is not None:
             ids = self._ids(block_ids)
@@ -173,7 +190,7 @@ class PageMover:
         cuda = self._cuda
         if cuda is not None:
             cuda.enter_thread()
-            cuda.after_compute()  # the forward that wrote these blocks comes first
+            cuda.after_compute(after)  # the forward that wrote these blocks comes first
         with cuda.on_side() if cuda is not None else nullcontext():
             idx = self._index(block_ids)
             for t, dst in zip(self._layers, out):

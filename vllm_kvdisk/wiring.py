@@ -94,7 +94,8 @@ def build_scheduler_side(vllm_config: VllmConfig, kv_cache_config: Any) -> Sched
     events = getattr(vllm_config, "kv_events_config", None)
     return SchedulerSide(engine_config(vllm_config), fp, token_table_for(vllm_config),
                          fp.block_size, vllm_config.model_config.max_model_len,
-                         events=bool(events and events.enable_kv_cache_events))
+                         events=bool(events and events.enable_kv_cache_events),
+                         workers=vllm_config.parallel_config.world_size)
 
 
 def build_worker_side(vllm_config: VllmConfig, kv_cache_config: Any) -> WorkerSide:

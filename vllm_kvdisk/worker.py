@@ -1,16 +1,21 @@
 """Worker half of the connector: copy pages out, write files, read files back.
 
 Runs in each vLLM worker process; each method is the vLLM hook of the same name (the
-connector facade delegates one line each). A thread pool does all file I/O; the engine
-step only enqueues work, plus (for saves) one gather of the pages into host memory so that
-the blocks are free for reuse as soon as the step ends (no race with preemption or reuse).
+connector facade delegates one line each). The engine step only enqueues work: a copy
+thread gathers a save's pages into host staging after the step (on a GPU, on a side stream
+behind an event recorded after the forward), a write pool encodes and writes them, and a
+load pool of its own reads files back, so a load never waits behind a write or an fsync.
 
 Invariants:
 * A load verifies every file before using it (``restore.Restorer``). A file proven corrupt
   is quarantined; a sound file that is not what the index said (replaced, other ids) is
   only dropped from the index. Either way the blocks from it onward are reported as load
   errors (vLLM recomputes them) and the blocks before it stay valid.
-* ``finished_sending`` only names requests whose blocks the scheduler held for a save.
+* ``finished_sending`` only names requests whose blocks the scheduler held (``holds``),
+  and only once no copy of theirs is running: their blocks are never reused under a copy.
+  A preempted request's copies finish in ``handle_preemptions``, before the next forward.
+* Staging held by saves in flight stays under ``kv_disk_staging_inflight_mb``; past it a
+  save is skipped (``busy``), never waited for.
 * A delta is written only while its parent is on disk: after the parent's write in this
   process, and checked again under the directory lock (``Store.write``).
 * Nothing here raises into the engine: failures are counted, logged and reported.
@@ -62,7 +67,12 @@ class WorkerSide:
         self.block_size = block_size
         self.trace = Trace.from_config(config)
         self.store = Store.from_config(config, on_evict=self._on_evict)
-        self.pool = ThreadPoolExecutor(config.kv_disk_io_threads, thread_name_prefix="kvdisk-io")
+        # Loads never wait behind a save's write or fsync: each has its own threads. One
+        # copy thread takes page copies off the engine step, in order.
+        self.pool = ThreadPoolExecutor(config.kv_disk_io_threads, thread_name_prefix="kvdisk-write")
+        self._load_pool = ThreadPoolExecutor(config.kv_disk_io_threads,
+                                             thread_name_prefix="kvdisk-load")
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvdisk-copy")
         self.staging = StagingPool(config.kv_disk_staging_mb * 1024 * 1024)
         self._readers = ThreadPoolExecutor(config.kv_disk_io_threads, thread_name_prefix="kvdisk-read")
         self.mover: PageMover | None = None
@@ -73,7 +83,11 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._held: set[str] = set()  # finished requests whose pages were copied out
         self._finished: deque[set[str]] = deque(maxlen=FINISHED_MEMORY_STEPS)
-        self._inflight: dict[str, tuple[Future, SaveJob]] = {}
+        self._inflight: dict[str, tuple[Future, SaveJob]] = {}  # sha1 -> (written?, job)
+        self._copying: dict[str, int] = {}  # req id -> copies not finished
+        self._copies: dict[str, list[Future]] = {}  # req id -> its copy jobs
+        self._staged = 0  # bytes of staging held by saves in flight
+        self._staging_cap = config.kv_disk_staging_inflight_mb << 20
         self._step: tuple[int, float] = (0, 0.0)  # (tokens, start) of the step in flight
 
     # -- setup ------------------------------------------------------------------------
@@ -117,7 +131,7 @@ class WorkerSide:
     def start_load_kv(self, meta: StepMeta) -> None:
         for job in meta.loads:
             try:
-                self._loads[job.req_id] = (self.pool.submit(self._load, job), job)
+                self._loads[job.req_id] = (self._load_pool.submit(self._load, job), job)
             except RuntimeError:  # shutting down: recompute
                 done: Future = Future()
                 done.set_result(list(job.block_ids))
@@ -190,41 +204,119 @@ class WorkerSide:
     # -- saves ------------------------------------------------------------------------
     @guarded("wait_for_save", lambda: None)
     def wait_for_save(self, meta: StepMeta) -> None:
-        """The forward is done: time it, and copy out the pages of this step's saves."""
+        """The forward is launched: time it, and hand this step's saves to the copy thread.
+        Nothing here waits for a copy. Their blocks stay valid meanwhile: a running request
+        keeps them, a finished one is held until finished_sending names it (``holds``),
+        and a preempted one is flushed in ``handle_preemptions`` before the next forward."""
         self._step_computed()
-        mover = self.mover
+        self._held.update(meta.holds)
         for job in meta.saves:
-            if not self.placement.shard.writer:  # another rank holds and writes these pages
-                if job.release_blocks:
-                    self._held.add(job.req_id)
-                continue
-            pages: list[np.ndarray] | None = None
-            try:
-                if mover is None:
-                    raise RuntimeError("KV caches not registered")
-                nbytes = len(job.block_ids) * mover.page_bytes
-                pages = [self.staging.get(nbytes) for _ in range(mover.layout.num_layers)]
-                mover.gather(job.block_ids, pages)
-            except Exception as exc:  # noqa: BLE001
-                log.warning("kvdisk: copy-out for %s failed: %s", job.plan.sha1, exc)
-                self._save_failed(job, str(exc))
-                for buf in pages or ():
-                    self.staging.put(buf)
-                pages = None
-            if job.release_blocks:
-                self._held.add(job.req_id)
-            if pages is None:
-                continue
+            if self.placement.shard.writer:
+                self._start_copy(job)
+            else:  # another rank holds and writes these pages
+                self._confirm_copy(job.req_id)
+
+    @guarded("handle_preemptions", lambda: None)
+    def handle_preemptions(self, meta: StepMeta) -> None:
+        """Before this step's forward: the blocks of requests preempted in it are free
+        again, so their copies must be done before anything may write into them."""
+        with self._lock:
+            pending = [f for req in meta.flush for f in self._copies.get(req, ())]
+        if pending:
+            wait(pending)
+
+    def _start_copy(self, job: SaveJob) -> None:
+        mover = self.mover
+        if mover is None:
+            self._save_failed(job, "KV caches not registered")
+            self._confirm_copy(job.req_id)
+            return
+        nbytes = len(job.block_ids) * mover.page_bytes * mover.layout.num_layers
+        with self._lock:
+            staged = self._staged
+            busy = staged + nbytes > self._staging_cap
+            if not busy:
+                self._staged += nbytes
+                self._copying[job.req_id] = self._copying.get(job.req_id, 0) + 1
             parent = self._inflight.get(job.plan.parent) if job.plan.parent else None
-            try:
-                fut = self.pool.submit(self._save, job, pages, parent[0] if parent else None)
-            except RuntimeError:  # shutting down
-                self._save_failed(job, "the worker is shutting down")
-                for buf in pages:
-                    self.staging.put(buf)
-                continue
+            done: Future = Future()
+            if not busy:
+                self._inflight[job.plan.sha1] = (done, job)
+        if busy:  # the disk is slower than the saves: skip one rather than grow memory
+            self._save_failed(job, f"{staged >> 20} MiB of saves in flight, cap "
+                              f"{self._staging_cap >> 20} MiB", "busy")
+            self._confirm_copy(job.req_id)
+            return
+        after = mover.mark()  # on a GPU: an event after this step's forward
+        try:
+            copy = self._copier.submit(self._copy, job, nbytes, after,
+                                       parent[0] if parent else None, done)
+        except RuntimeError:  # shutting down
+            self._copied(job.req_id)
+            self._end_save(job, [], nbytes, done, False, "the worker is shutting down")
+            return
+        with self._lock:
+            if self._copying.get(job.req_id):
+                self._copies.setdefault(job.req_id, []).append(copy)
+
+    def _copy(self, job: SaveJob, nbytes: int, after: Any, parent: Future | None,
+              done: Future) -> None:
+        """Copy thread: the pages into staging (pinned memory is allocated here, never on
+        the engine thread), then the write goes to the write pool."""
+        mover = self.mover
+        pages: list[np.ndarray] = []
+        try:
+            per_layer = len(job.block_ids) * mover.page_bytes
+            pages = [self.staging.get(per_layer) for _ in range(mover.layout.num_layers)]
+            mover.gather(job.block_ids, pages, after=after)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("kvdisk: copy-out for %s failed: %s", job.plan.sha1, exc)
+            self._end_save(job, pages, nbytes, done, False, str(exc))
+            return
+        finally:
+            self._copied(job.req_id)  # its blocks may be given back now
+        try:
+            self.pool.submit(self._save, job, pages, nbytes, parent, done)
+        except RuntimeError:  # shutting down
+            self._end_save(job, pages, nbytes, done, False, "the worker is shutting down")
+
+    def drain(self) -> None:
+        """Wait until every save handed over so far is written, skipped or failed."""
+        while True:
             with self._lock:
-                self._inflight[job.plan.sha1] = (fut, job)
+                pending = [done for done, _ in self._inflight.values()]
+            if not pending:
+                return
+            wait(pending)
+
+    def _copied(self, req_id: str) -> None:
+        with self._lock:
+            left = self._copying.get(req_id, 0) - 1
+            if left > 0:
+                self._copying[req_id] = left
+            else:
+                self._copying.pop(req_id, None)
+                self._copies.pop(req_id, None)
+        self._confirm_copy(req_id)
+
+    def _confirm_copy(self, req_id: str) -> None:
+        """Tell the scheduler a save job of this request needs its blocks no more (each
+        worker confirms each job once, copied or not)."""
+        with self._lock:
+            self._report.copied.append(req_id)
+
+    def _end_save(self, job: SaveJob, pages: list[np.ndarray], nbytes: int, done: Future,
+                  ok: bool, why: str | None = None) -> None:
+        """A save is over (written, skipped or failed): give back its memory, tell the
+        children waiting on it."""
+        if why is not None:
+            self._save_failed(job, why)
+        for buf in pages:
+            self.staging.put(buf)
+        with self._lock:
+            self._inflight.pop(job.plan.sha1, None)
+            self._staged -= nbytes
+        done.set_result(ok)
 
     def _save_failed(self, job: SaveJob, why: str, skipped: str | None = None) -> None:
         if skipped:
@@ -240,7 +332,15 @@ class WorkerSide:
         with self._lock:
             return {(j.plan.ns, j.plan.parent) for _, j in self._inflight.values() if j.plan.parent}
 
-    def _save(self, job: SaveJob, pages: list[np.ndarray], parent: Future | None) -> bool:
+    def _save(self, job: SaveJob, pages: list[np.ndarray], nbytes: int, parent: Future | None,
+              done: Future) -> None:
+        ok = False
+        try:
+            ok = self._write(job, pages, parent)
+        finally:
+            self._end_save(job, pages, nbytes, done, ok)
+
+    def _write(self, job: SaveJob, pages: list[np.ndarray], parent: Future | None) -> bool:
         plan = job.plan
         try:
             if parent is not None and not parent.result():
@@ -263,11 +363,6 @@ class WorkerSide:
             log.warning("kvdisk: save of %s failed: %s", plan.sha1, exc)
             self._save_failed(job, str(exc))
             return False
-        finally:
-            with self._lock:
-                self._inflight.pop(plan.sha1, None)
-            for buf in pages:
-                self.staging.put(buf)
         with self._lock:
             self._report.written.append(entry)
         seconds = time.perf_counter() - t0
@@ -290,7 +385,8 @@ class WorkerSide:
                  return_when=FIRST_COMPLETED)
         self._finished.append(set(finished_req_ids))
         recent = set().union(*self._finished)
-        sending = self._held & recent
+        with self._lock:  # held blocks go back once no copy of the request is running
+            sending = {req for req in self._held & recent if req not in self._copying}
         self._held -= sending
         recving = set()
         for req_id, (fut, job) in list(self._loads.items()):
@@ -323,8 +419,10 @@ class WorkerSide:
         return self.stats.snapshot()
 
     def shutdown(self) -> None:
-        """Flush: every save already handed to the pool is written before we return."""
+        """Flush: every save already handed over is copied and written before we return."""
+        self._copier.shutdown(wait=True)
         self.pool.shutdown(wait=True)
+        self._load_pool.shutdown(wait=True)
         self._readers.shutdown(wait=True)
         self.trace.close()
         self.store.close()

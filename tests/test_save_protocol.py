@@ -1,0 +1,162 @@
+"""Saves leave the engine step: the protocol, proven with a page mover whose copies are
+held at a gate (a delaying mover) and a store whose writes are held at another.
+
+* ``wait_for_save`` hands the copy over and returns while it still runs;
+* a finished request is named in ``finished_sending`` (its blocks go back) only after
+  its copy completed; a preempted one's copy completes in ``handle_preemptions``, before
+  the next forward may write into its blocks;
+* a slow write never delays a load (separate threads);
+* staging in flight has a cap: past it a save is skipped as ``busy``, never waited for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_kvdisk.config import load_config
+from vllm_kvdisk.format import Reason
+from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta
+from vllm_kvdisk.keys import Fingerprint
+from vllm_kvdisk.planner import SavePlan
+from vllm_kvdisk.worker import WorkerSide
+
+BLOCK = 16
+BLOCKS = 32
+FP = Fingerprint("m", "0", "float32", "cpu:test/1", BLOCK, 1, 0)
+IDS = np.arange(7_000, 7_000 + BLOCKS * BLOCK, dtype="<u4")
+WAIT = 60  # seconds before a wait that should end counts as a hang
+
+
+def job(req: str, blocks: list[int], seed: int) -> SaveJob:
+    tokens = len(blocks) * BLOCK
+    text = f"{seed}:".encode() + b"x" * tokens
+    plan = SavePlan(FP.dirname(), hashlib.sha1(text).hexdigest(), tokens, None, 0, Reason.COLD)
+    return SaveJob(req, Scope(), plan, blocks, text, IDS[:tokens].tobytes(), 4096)
+
+
+def load_job(sha1: str, blocks: int, targets: list[int]) -> LoadJob:
+    tokens = blocks * BLOCK
+    return LoadJob("load", Scope(), [LoadFile(sha1, 0, tokens, tokens)], 0, targets,
+                   IDS[:tokens].tobytes())
+
+
+class Gate:
+    """Wraps a function so each call waits until the test opens the gate."""
+
+    def __init__(self, fn):
+        self.fn, self.entered, self.open = fn, threading.Event(), threading.Event()
+        self.finished = 0
+
+    def __call__(self, *args, **kwargs):
+        self.entered.set()
+        if not self.open.wait(WAIT):
+            raise TimeoutError("the test never opened the gate")
+        out = self.fn(*args, **kwargs)
+        self.finished += 1
+        return out
+
+
+@pytest.fixture
+def side(tmp_path):
+    def make(**extra):
+        torch.manual_seed(0)
+        caches = {f"model.layers.{i}.attn": torch.rand(BLOCKS, 8, BLOCK, 128) for i in range(2)}
+        cfg = load_config({"kv_disk_dir": str(tmp_path / "kv"), "kv_disk_min_free_mb": 0,
+                           "kv_disk_io_threads": 1, **extra})
+        w = WorkerSide(cfg, FP, BLOCK)
+        w.register_kv_caches(caches)
+        made.append(w)
+        return w, list(caches.values())
+    made: list[WorkerSide] = []
+    yield make
+    for w in made:
+        w.shutdown()
+
+
+def test_wait_for_save_returns_while_the_copy_runs_and_blocks_wait_for_it(side):
+    w, layers = side()
+    gate = Gate(w.mover.gather)
+    w.mover.gather = gate
+    want = [t[[1, 2, 3]].clone() for t in layers]
+    save = job("r", [1, 2, 3], seed=1)
+    w.wait_for_save(StepMeta(saves=[save]))  # returns with the copy held at the gate
+    assert gate.entered.wait(WAIT) and gate.finished == 0
+    # The request finished in that step; the scheduler holds its blocks.
+    w.wait_for_save(StepMeta(holds=["r"]))
+    assert w.get_finished({"r"}) == (None, None)  # copy running: blocks not given back
+    assert w.get_finished(set()) == (None, None)
+    gate.open.set()
+    w.drain()
+    assert gate.finished == 1
+    assert w.get_finished(set()) == ({"r"}, None)  # now they go back, once
+    assert w.get_finished(set()) == (None, None)
+    # The file holds the pages as they were when the step ended.
+    fut = w._load_pool.submit(w._load, load_job(save.plan.sha1, 3, [20, 21, 22]))
+    assert fut.result(WAIT) == []
+    for t, page in zip(layers, want):
+        assert torch.equal(t[[20, 21, 22]], page)
+
+
+def test_a_preempted_requests_copy_completes_before_the_next_forward(side):
+    w, layers = side()
+    gate = Gate(w.mover.gather)
+    w.mover.gather = gate
+    want = [t[[4, 5]].clone() for t in layers]
+    save = job("p", [4, 5], seed=2)
+    w.wait_for_save(StepMeta(saves=[save]))
+    assert gate.entered.wait(WAIT)
+    threading.Timer(0.2, gate.open.set).start()
+    w.handle_preemptions(StepMeta(flush=["p"]))  # the next step: p was preempted
+    assert gate.finished == 1  # its copy is done before anything may write its blocks
+    for t in layers:
+        t[[4, 5]] = 0  # the next forward reuses the blocks
+    w.drain()
+    fut = w._load_pool.submit(w._load, load_job(save.plan.sha1, 2, [10, 11]))
+    assert fut.result(WAIT) == []
+    for t, page in zip(layers, want):
+        assert torch.equal(t[[10, 11]], page)
+
+
+def test_a_slow_write_never_delays_a_load(side):
+    """One thread of each kind: before, loads and writes shared one pool, and a load
+    queued behind a write stuck in its fsync."""
+    w, layers = side()
+    first = job("a", [0, 1], seed=3)
+    w.wait_for_save(StepMeta(saves=[first]))
+    w.drain()
+    gate = Gate(w.store.write)
+    w.store.write = gate
+    w.wait_for_save(StepMeta(saves=[job("b", [6, 7], seed=4)]))
+    assert gate.entered.wait(WAIT)  # the write is stuck
+    w.start_load_kv(StepMeta(loads=[load_job(first.plan.sha1, 2, [12, 13])]))
+    fut, _ = w._loads["load"]
+    try:
+        assert fut.result(WAIT) == []  # restored while the write still waits
+        assert gate.finished == 0
+    finally:
+        gate.open.set()
+    for t in layers:
+        assert torch.equal(t[[12, 13]], t[[0, 1]])
+
+
+def test_saves_past_the_staging_cap_are_skipped_as_busy(side):
+    w, _ = side(kv_disk_staging_inflight_mb=3)  # a page is 64 KiB: a block of 2 layers 128 KiB
+    gate = Gate(w.mover.gather)
+    w.mover.gather = gate
+    big, small = job("a", list(range(20)), 5), job("b", [20], 6)
+    more = job("c", [21, 22, 23, 24], 7)
+    w.wait_for_save(StepMeta(saves=[big]))  # 2.5 MiB held
+    w.wait_for_save(StepMeta(saves=[small, more]))  # 128 KiB fits, 512 KiB more does not
+    report = w.build_connector_worker_meta()
+    assert report is not None and report.failed_saves == [(more.plan.ns, more.plan.sha1)]
+    assert w.stats.snapshot().data["saves_skipped"] == {"busy": 1}
+    gate.open.set()
+    w.drain()
+    report = w.build_connector_worker_meta()
+    assert sorted(e.sha1 for e in report.written) == sorted([big.plan.sha1, small.plan.sha1])
+    assert w._staged == 0  # every byte given back
