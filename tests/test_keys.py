@@ -110,3 +110,12 @@ def test_rank_group_joins_the_ranks_of_one_engine_only():
     assert rank_group({**info[0], "salt_digest": "ab"}) != rank_group(info[0])
     assert rank_group(asdict(replace(fp, tp_size=1))) is None
     assert rank_group({"tp_size": "x"}) is None and rank_group({}) is None
+
+
+def test_a_salt_with_a_lone_surrogate_has_a_digest_of_its_own():
+    """A client's cache_salt is any JSON string: a lone surrogate raised UnicodeEncodeError
+    in every hook of that request."""
+    from vllm_kvdisk.keys import salt_digest
+
+    assert salt_digest("\ud800") != salt_digest("\ud801") != salt_digest("")
+    assert salt_digest("a\ud800") == salt_digest("a\ud800")

@@ -199,4 +199,6 @@ def rank_group(info: Mapping[str, object]) -> str | None:
 def salt_digest(cache_salt: str | None) -> str:
     if not cache_salt:
         return ""
-    return hashlib.sha256(b"kvdisk-salt\0" + cache_salt.encode()).hexdigest()[:32]
+    # surrogatepass: a client's salt may hold a lone surrogate (valid JSON, not UTF-8).
+    raw = cache_salt.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(b"kvdisk-salt\0" + raw).hexdigest()[:32]
