@@ -85,7 +85,7 @@ class WorkerSide:
         self._finished: deque[set[str]] = deque(maxlen=FINISHED_MEMORY_STEPS)
         self._inflight: dict[str, tuple[Future, SaveJob]] = {}  # sha1 -> (written?, job)
         self._copying: dict[str, int] = {}  # req id -> copies not finished
-        self._copies: dict[str, list[Future]] = {}  # req id -> its copy jobs
+        self._copy_ended = threading.Condition(self._lock)
         self._staged = 0  # bytes of staging held by saves in flight
         self._staging_cap = config.kv_disk_staging_inflight_mb << 20
         self._step: tuple[int, float] = (0, 0.0)  # (tokens, start) of the step in flight
@@ -220,10 +220,9 @@ class WorkerSide:
     def handle_preemptions(self, meta: StepMeta) -> None:
         """Before this step's forward: the blocks of requests preempted in it are free
         again, so their copies must be done before anything may write into them."""
-        with self._lock:
-            pending = [f for req in meta.flush for f in self._copies.get(req, ())]
-        if pending:
-            wait(pending)
+        if meta.flush:
+            with self._copy_ended:
+                self._copy_ended.wait_for(lambda: not self._copying.keys() & set(meta.flush))
 
     def _start_copy(self, job: SaveJob) -> None:
         mover = self.mover
@@ -249,15 +248,11 @@ class WorkerSide:
             return
         after = mover.mark()  # on a GPU: an event after this step's forward
         try:
-            copy = self._copier.submit(self._copy, job, nbytes, after,
-                                       parent[0] if parent else None, done)
+            self._copier.submit(self._copy, job, nbytes, after, parent[0] if parent else None,
+                                done)
         except RuntimeError:  # shutting down
             self._copied(job.req_id)
             self._end_save(job, [], nbytes, done, False, "the worker is shutting down")
-            return
-        with self._lock:
-            if self._copying.get(job.req_id):
-                self._copies.setdefault(job.req_id, []).append(copy)
 
     def _copy(self, job: SaveJob, nbytes: int, after: Any, parent: Future | None,
               done: Future) -> None:
@@ -290,14 +285,14 @@ class WorkerSide:
             wait(pending)
 
     def _copied(self, req_id: str) -> None:
-        with self._lock:
+        with self._copy_ended:
             left = self._copying.get(req_id, 0) - 1
             if left > 0:
                 self._copying[req_id] = left
             else:
                 self._copying.pop(req_id, None)
-                self._copies.pop(req_id, None)
-        self._confirm_copy(req_id)
+            self._report.copied.append(req_id)
+            self._copy_ended.notify_all()
 
     def _confirm_copy(self, req_id: str) -> None:
         """Tell the scheduler a save job of this request needs its blocks no more (each
