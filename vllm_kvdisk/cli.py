@@ -23,7 +23,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from vllm_kvdisk import fsdir
-from vllm_kvdisk.fileread import read_meta, read_tool_map
+from vllm_kvdisk.fileread import read_meta, read_text, read_tool_map
 from vllm_kvdisk.format import DTYPE_NAMES, FLAG_DELTA, FLAG_TOOL_MAP, FormatError
 from vllm_kvdisk.index import Entry
 from vllm_kvdisk.scan import KV_NAME
@@ -110,7 +110,7 @@ def _describe(label: dict[str, Any]) -> str:
 def _text_head(store: Store, e: Entry, size: int = 256) -> bytes:
     try:
         with store.open(e.ns, e.sha1) as (fd, meta, _):
-            return os.pread(fd, min(size, meta.text_len), meta.offsets.text)
+            return read_text(fd, meta, size)
     except (OSError, FormatError):
         return b""
 
@@ -160,7 +160,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     try:
         size = os.fstat(fd).st_size
         meta = read_meta(fd, size)
-        text_head = os.pread(fd, min(meta.text_len, 512), meta.offsets.text)
+        text_head = read_text(fd, meta, 512)
         tool_map = read_tool_map(fd, meta)
     except FormatError as exc:
         raise UsageError(f"{args.file}: not a valid checkpoint: {exc}") from None
