@@ -10,7 +10,7 @@
 Human sizes and ages by default, ``--json`` for scripts (raw bytes and seconds). Exit 0
 when all is well, 1 when ``verify`` found problems, 2 on bad input or an I/O error (a
 message on stderr, never a traceback).
-Progress goes to stderr when it is a terminal (tqdm).
+Progress goes to stderr when it is a terminal (one counter line, erased when done).
 """
 
 from __future__ import annotations
@@ -61,19 +61,16 @@ def _preview(raw: bytes, width: int = 60) -> str:
 
 
 def _progress(label: str) -> Callable[[int, int], None] | None:
-    """A tqdm bar on a terminal's stderr, else nothing."""
+    """A counter line on a terminal's stderr, else nothing. Plain text on purpose: the
+    CLI runs where only the core's dependencies are installed, and a bar is cosmetic."""
     if not sys.stderr.isatty():
         return None
-    from tqdm import tqdm
-
-    bar: dict[str, Any] = {}
 
     def update(done: int, total: int) -> None:
-        if "bar" not in bar:
-            bar["bar"] = tqdm(total=total, desc=label, unit="file", file=sys.stderr, leave=False)
-        bar["bar"].update(done - bar["bar"].n)
-        if done >= total:
-            bar["bar"].close()
+        # "\r" rewrites the line in place; "\x1b[K" erases it when done (nothing is left).
+        line = "\r\x1b[K" if done >= total else f"\r{label}: {done}/{total} files"
+        sys.stderr.write(line)
+        sys.stderr.flush()
 
     return update
 
