@@ -21,9 +21,9 @@ import numpy as np
 
 from vllm_kvdisk.fileread import read_text, read_tokens
 from vllm_kvdisk.index import Lookup, Miss
-from vllm_kvdisk.keys import TokenTable
 from vllm_kvdisk.logs import get_logger
 from vllm_kvdisk.store import Store
+from vllm_kvdisk.tokens import TokenTable
 from vllm_kvdisk.trace import Trace
 
 log = get_logger(__name__)
