@@ -23,9 +23,10 @@ import numpy as np
 
 from vllm_kvdisk.format import PageLayout, Reason
 from vllm_kvdisk.index import Entry, Index, head_digest
-from vllm_kvdisk.keys import Fingerprint, TokenTable, as_token_array, token_digest
+from vllm_kvdisk.keys import Fingerprint, as_token_array, token_digest
 from vllm_kvdisk.planner import Planner, Prompt, SavePlan, encode_plan
 from vllm_kvdisk.store import Store
+from vllm_kvdisk.tokens import TokenTable
 
 LAYOUT = PageLayout("bench:LBHNC", 128, 1, (1, 128, 1), "float32")
 FP = Fingerprint("bench", "0", "float32", LAYOUT.name, 128, 1, 0)

@@ -100,7 +100,8 @@ def conversation_cuts(tokens: int, turns: int, align: int = 2048, trim: int = 32
     equal turns leaves under the save rules (ds4's grid with tails; each turn a cold save
     of its prompt and an evict save of prompt + reply), as the scheduler plans them."""
     from vllm_kvdisk.index import Entry, Index, head_digest
-    from vllm_kvdisk.keys import Grid, TokenTable, token_digest
+    from vllm_kvdisk.keys import Grid, token_digest
+    from vllm_kvdisk.tokens import TokenTable
     from vllm_kvdisk.planner import Planner, Prompt
     from vllm_kvdisk.saverules import SaveRules
 

@@ -1,20 +1,15 @@
 """Bad files, other models and other salts: always a miss, never a wrong answer."""
 
-import glob
 import os
 
 import pytest
 from engine import engine, events, generate, random_prompt
+from helpers import kv_files
 
 from vllm_kvdisk.store import Store
 from vllm_kvdisk.verify import verify
 
 pytestmark = pytest.mark.engine
-
-
-def kv_files(kv: str) -> list[str]:
-    return sorted(p for p in glob.glob(os.path.join(kv, "*", "*.kv"))
-                  if os.path.basename(os.path.dirname(p)) != "quarantine")
 
 
 @pytest.mark.parametrize("damage", ["flip_page_byte", "truncate"])

@@ -17,6 +17,7 @@ from typing import Callable
 
 import pytest
 from engine import Server, random_prompt, shared_prefix
+from helpers import text
 
 from vllm_kvdisk import harness
 from vllm_kvdisk.fileread import read_meta, read_tokens
@@ -29,11 +30,6 @@ GRID = Grid(256, 32, 128)  # tests/engine.py's grid (block 128)
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank (see VLLM_NOTES)
 TP_ARGS = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
 OUTCOMES = ("loaded", "load_failed")  # each rank traces one of these per load job
-WORDS = open(os.path.join(os.path.dirname(os.__file__), "textwrap.py")).read().split()
-
-
-def text(start: int, n: int) -> str:
-    return " ".join(WORDS[start % 2000: start % 2000 + n])
 
 
 @dataclass(slots=True)

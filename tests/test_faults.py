@@ -18,15 +18,12 @@ import pytest
 
 from crash_child import prompts
 from engine import engine, events, generate, random_prompt
+from helpers import kv_files
 from vllm_kvdisk.store import Store
 from vllm_kvdisk.verify import verify
 
 pytestmark = pytest.mark.engine
 CHILD = os.path.join(os.path.dirname(__file__), "crash_child.py")
-
-
-def kv_files(kv: str) -> list[str]:
-    return [p for p in glob.glob(os.path.join(kv, "*", "*.kv")) if "quarantine" not in p]
 
 
 def start_child(model: str, kv: str, out: str, seed: int, count: int, **cfg) -> subprocess.Popen:

@@ -6,11 +6,11 @@ from synth import byte_table
 from vllm_kvdisk.keys import (
     Fingerprint,
     Grid,
-    TokenTable,
     as_token_array,
     salt_digest,
     token_digest,
 )
+from vllm_kvdisk.tokens import TokenTable
 
 
 def test_seed_example_positions():

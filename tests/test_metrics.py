@@ -8,7 +8,8 @@ import time
 
 import pytest
 from engine import Server, events
-from test_server import disk_tokens, text
+from helpers import text
+from test_server import disk_tokens
 
 pytestmark = pytest.mark.engine
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +40,7 @@ def test_metrics_follow_a_chat(tiny_model, tmp_path):
         messages = [{"role": "system", "content": text(0, 900)},
                     {"role": "user", "content": text(900, 200)}]
         reply = server.chat(messages)
-        wait_for(lambda: m("vllm:kvdisk_saves_total") >= len(events(trace, "saved")) > 0)
+        assert wait_for(lambda: m("vllm:kvdisk_saves_total") >= len(events(trace, "saved")) > 0)
         assert m("vllm:kvdisk_tokens_loaded_total") == 0  # nothing on disk before turn 1
         assert m("vllm:kvdisk_lookups_total", result="miss", reason="no_checkpoint") == 1
         assert m("vllm:kvdisk_prompt_tokens_looked_up_total") == reply["usage"]["prompt_tokens"]
@@ -57,7 +58,7 @@ def test_metrics_follow_a_chat(tiny_model, tmp_path):
         assert loaded == traced
         assert m("vllm:kvdisk_load_seconds_count") == 1
         assert m("vllm:kvdisk_bytes_read_total") > 0
-        wait_for(lambda: m("vllm:kvdisk_saves_total") == len(events(trace, "saved")))
+        assert wait_for(lambda: m("vllm:kvdisk_saves_total") == len(events(trace, "saved")))
         for reason in ("cold", "continued", "evict", "shutdown"):
             assert m("vllm:kvdisk_saves_total", reason=reason) == len(
                 [e for e in events(trace, "saved") if e.reason == reason])

@@ -1,7 +1,6 @@
 """Operating it: per-request control, clearing the cache, KV events for routers, the
 serve command's help, the model identity, on a real engine where it takes one."""
 
-import glob
 import json
 import os
 import subprocess
@@ -10,13 +9,10 @@ import sys
 import pytest
 
 from engine import engine, events, generate, random_prompt, wait_events
+from helpers import kv_files
 from vllm_kvdisk.identity import model_identity, weights_digest
 
 pytestmark = pytest.mark.engine
-
-
-def kv_files(kv: str) -> list[str]:
-    return sorted(p for p in glob.glob(os.path.join(kv, "*", "*.kv")))
 
 
 def test_per_request_control_skips_saves_caps_them_and_skips_loads(tiny_model, tmp_path):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import requests
 from engine import Server, engine, events, generate, shared_prefix
+from helpers import WORDS, text
 from synth import FP, byte_table, prompt_of, save
 
 from vllm_kvdisk.control import MAP_KEY
@@ -34,7 +35,6 @@ CALL = '<tool_call>{"arguments":{"unit":"c","city":"Rome"},"name":"get_weather"}
 FORCE = {"tools": TOOLS, "tool_choice": "auto", "return_token_ids": True,
          "structured_outputs": {"regex": re.escape(CALL)}}
 TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-WORDS = open(os.path.join(os.path.dirname(os.__file__), "textwrap.py")).read().split()
 BLOCK = 128
 
 
@@ -155,10 +155,6 @@ def test_plugins_env_enables_the_endpoint_plugin_and_keeps_the_others():
 
 
 # -- a real engine -----------------------------------------------------------------------
-def text(start: int, n: int) -> str:
-    return " ".join(WORDS[start: start + n])
-
-
 def tokenize(server, messages: list[dict]) -> list[int]:
     r = requests.post(server.url + "/tokenize", json={
         "model": server.model, "messages": messages, "tools": TOOLS}, timeout=60)

@@ -6,17 +6,13 @@ import threading
 
 import pytest
 from engine import ALIGN, Server, engine, events, generate, shared_prefix
+from helpers import text
 
 from vllm_kvdisk.keys import Grid
 
 pytestmark = pytest.mark.engine
 GRID = Grid(ALIGN, 32, 128)
 DS4_GRID = Grid(2048, 32, 128)
-WORDS = open(os.path.join(os.path.dirname(os.__file__), "textwrap.py")).read().split()
-
-
-def text(start: int, n: int) -> str:
-    return " ".join(WORDS[start % 2000: start % 2000 + n])
 
 
 def disk_tokens(server: Server) -> float:

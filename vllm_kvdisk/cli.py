@@ -10,7 +10,7 @@
 Human sizes and ages by default, ``--json`` for scripts (raw bytes and seconds). Exit 0
 when all is well, 1 when ``verify`` found problems, 2 on bad input or an I/O error (a
 message on stderr, never a traceback).
-Progress goes to stderr when it is a terminal (tqdm).
+Progress goes to stderr when it is a terminal (one counter line, erased when done).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from vllm_kvdisk import fsdir
-from vllm_kvdisk.fileread import read_meta, read_tool_map
+from vllm_kvdisk.fileread import read_meta, read_text, read_tool_map
 from vllm_kvdisk.format import DTYPE_NAMES, FLAG_DELTA, FLAG_TOOL_MAP, FormatError
 from vllm_kvdisk.index import Entry
 from vllm_kvdisk.scan import KV_NAME
@@ -61,19 +61,16 @@ def _preview(raw: bytes, width: int = 60) -> str:
 
 
 def _progress(label: str) -> Callable[[int, int], None] | None:
-    """A tqdm bar on a terminal's stderr, else nothing."""
+    """A counter line on a terminal's stderr, else nothing. Plain text on purpose: the
+    CLI runs where only the core's dependencies are installed, and a bar is cosmetic."""
     if not sys.stderr.isatty():
         return None
-    from tqdm import tqdm
-
-    bar: dict[str, Any] = {}
 
     def update(done: int, total: int) -> None:
-        if "bar" not in bar:
-            bar["bar"] = tqdm(total=total, desc=label, unit="file", file=sys.stderr, leave=False)
-        bar["bar"].update(done - bar["bar"].n)
-        if done >= total:
-            bar["bar"].close()
+        # "\r" rewrites the line in place; "\x1b[K" erases it when done (nothing is left).
+        line = "\r\x1b[K" if done >= total else f"\r{label}: {done}/{total} files"
+        sys.stderr.write(line)
+        sys.stderr.flush()
 
     return update
 
@@ -110,7 +107,7 @@ def _describe(label: dict[str, Any]) -> str:
 def _text_head(store: Store, e: Entry, size: int = 256) -> bytes:
     try:
         with store.open(e.ns, e.sha1) as (fd, meta, _):
-            return os.pread(fd, min(size, meta.text_len), meta.offsets.text)
+            return read_text(fd, meta, size)
     except (OSError, FormatError):
         return b""
 
@@ -160,7 +157,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     try:
         size = os.fstat(fd).st_size
         meta = read_meta(fd, size)
-        text_head = os.pread(fd, min(meta.text_len, 512), meta.offsets.text)
+        text_head = read_text(fd, meta, 512)
         tool_map = read_tool_map(fd, meta)
     except FormatError as exc:
         raise UsageError(f"{args.file}: not a valid checkpoint: {exc}") from None

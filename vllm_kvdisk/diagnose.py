@@ -19,11 +19,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from vllm_kvdisk.fileread import read_tokens
-from vllm_kvdisk.index import Entry, Lookup, Miss
-from vllm_kvdisk.keys import TokenTable
+from vllm_kvdisk.fileread import read_text, read_tokens
+from vllm_kvdisk.index import Lookup, Miss
 from vllm_kvdisk.logs import get_logger
 from vllm_kvdisk.store import Store
+from vllm_kvdisk.tokens import TokenTable
 from vllm_kvdisk.trace import Trace
 
 log = get_logger(__name__)
@@ -44,7 +44,7 @@ def explain(store: Store, table: TokenTable, ns: str, lookup: Lookup,
     for entry in lookup.diverged[:8]:
         try:
             with store.open(ns, entry.sha1) as (fd, meta, _):
-                theirs_text = os.pread(fd, meta.text_len, meta.offsets.text)
+                theirs_text = read_text(fd, meta)
                 theirs_ids = np.frombuffer(read_tokens(fd, meta), dtype="<u4")
         except Exception as exc:  # noqa: BLE001 - diagnostics never fail anything
             log.debug("kvdisk: cannot explain with %s: %s", entry.sha1, exc)
@@ -115,10 +115,6 @@ def describe_hit(lookup: Lookup, local: int) -> str:
     if last is not None and not last.whole:
         parts.append(f"{last.entry.sha1} used up to token {last.upto} of {last.entry.tokens}")
     return "; ".join(parts)
-
-
-def chain_words(chain: list[Entry]) -> str:
-    return " -> ".join(f"{e.sha1[:12]}({e.parent_tokens}..{e.tokens})" for e in chain)
 
 
 class LookupReport:

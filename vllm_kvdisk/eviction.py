@@ -20,7 +20,9 @@ from typing import Iterable, Mapping
 from vllm_kvdisk.index import Entry, Index, Key
 
 HALF_LIFE_S = 6 * 3600
-SCORE_STEP = 1.25  # eviction scores within one step are ties (then LRU)
+# Eviction scores in one bucket [SCORE_STEP**k, SCORE_STEP**(k+1)) are ties (then LRU):
+# buckets, not a distance, so 1.01 and 1.24 tie while 1.24 and 1.26 do not.
+SCORE_STEP = 1.25
 
 
 def score(entry: Entry, now: float) -> float:

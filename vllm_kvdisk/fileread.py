@@ -43,6 +43,7 @@ from vllm_kvdisk.format import (
     decode_tool_map,
     unpack_payload_fixed,
 )
+from vllm_kvdisk.fsdir import IOV_MAX
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,8 +179,10 @@ def read_meta(fd: int, file_size: int) -> Meta:
     return Meta(header, payload, offsets, text_len)
 
 
-def read_text(fd: int, meta: Meta) -> bytes:
-    return _pread_exact(fd, meta.text_len, meta.offsets.text)
+def read_text(fd: int, meta: Meta, limit: int | None = None) -> bytes:
+    """The rendered text, or its first ``limit`` bytes (a preview never reads a 1 GiB text)."""
+    size = meta.text_len if limit is None else min(limit, meta.text_len)
+    return _pread_exact(fd, size, meta.offsets.text)
 
 
 #: the buffer of the whole-file checks (``kvdisk verify``): a file may claim a 1 GiB text
@@ -235,8 +238,6 @@ def read_tokens(fd: int, meta: Meta) -> bytes:
     return tokens
 
 
-#: iovecs per preadv call (Linux IOV_MAX).
-IOV_MAX = 1024
 
 
 def read_layers_into(fd: int, meta: Meta, first: int,

@@ -32,7 +32,7 @@ from typing import Iterator, Sequence
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 TMP_PREFIX = ".tmp-"
 TMP_GRACE_S = 10.0  # a temp file younger than this may be one whose writer has not locked it yet
-IOV_MAX = 1024
+IOV_MAX = 1024  # iovecs per preadv/writev call (Linux's limit)
 
 
 class NotRegularFile(OSError):

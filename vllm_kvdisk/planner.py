@@ -17,7 +17,8 @@ import numpy as np
 
 from vllm_kvdisk.format import Encoded, PageLayout, Payload, Reason, encode_checkpoint
 from vllm_kvdisk.index import Entry, IdsReader, Index, Lookup, Miss, head_digest
-from vllm_kvdisk.keys import TokenTable, as_token_array, token_digest
+from vllm_kvdisk.keys import as_token_array, token_digest
+from vllm_kvdisk.tokens import TokenTable
 
 
 class Prompt:

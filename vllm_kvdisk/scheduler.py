@@ -32,7 +32,7 @@ from vllm_kvdisk.events import DiskEvents
 from vllm_kvdisk.format import Reason
 from vllm_kvdisk.index import Lookup, Miss
 from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta, WorkerReport
-from vllm_kvdisk.keys import Fingerprint, Grid, TokenTable, as_token_array, salt_digest
+from vllm_kvdisk.keys import Fingerprint, Grid, as_token_array, salt_digest
 from vllm_kvdisk.lifecycle import RequestState
 from vllm_kvdisk.logs import get_logger
 from vllm_kvdisk.metrics import KVDiskStats, StatsRecorder, guarded
@@ -40,6 +40,7 @@ from vllm_kvdisk.planner import Planner, Prompt
 from vllm_kvdisk.policy import LoadCostModel
 from vllm_kvdisk.saverules import SaveRules
 from vllm_kvdisk.store import Store
+from vllm_kvdisk.tokens import TokenTable
 from vllm_kvdisk.trace import Trace
 
 log = get_logger(__name__)

@@ -1,20 +1,78 @@
-"""Build the token -> exact bytes table from a Hugging Face style tokenizer.
+"""The token table, token id -> exact bytes, and its builder from a tokenizer.
 
-Two vocabularies cover nearly all open models and both are exact:
+* The rendered text of ``tokens[0:L]`` is the concatenation of each token's bytes, from a
+  table built once from the tokenizer. It is raw bytes: a prefix may end in the middle of
+  a UTF-8 character, so it is hashed and stored as bytes, never re-encoded. A token id the
+  table does not know (padded vocabularies sample them) renders as U+FFFD: the text is a
+  name and a preview, identity is always the token ids.
+
+The builder takes a Hugging Face style tokenizer. Two vocabularies cover nearly all open
+models and both are exact:
 * byte-level BPE (GPT-2, Llama 3, Qwen, DeepSeek): each character of a token string stands
   for one byte through GPT-2's printable byte alphabet;
 * SentencePiece (Llama 2, Mistral, Gemma): ``▁`` is a space and ``<0xNN>`` pieces are raw
   bytes (byte fallback).
 Added and special tokens render as their literal UTF-8 content. Pure: takes any object with
-``convert_ids_to_tokens`` and ``len()``; no vLLM, no torch.
+``convert_ids_to_tokens`` and ``len()``; no vLLM, no torch (numpy and xxhash for the
+table).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Sequence
 
-from vllm_kvdisk.keys import TokenTable
+import numpy as np
+import xxhash
+
+
+class TokenTable:
+    """token id -> exact bytes, flattened so a prompt renders without a Python loop."""
+
+    __slots__ = ("_blob", "_starts", "_lengths", "_size")
+
+    UNKNOWN = "\ufffd".encode()  # what a detokenizer shows for an id it does not know
+
+    def __init__(self, pieces: Sequence[bytes]):
+        # One extra slot at the end renders ids outside the vocabulary.
+        pieces = list(pieces) + [self.UNKNOWN]
+        self._size = len(pieces) - 1
+        lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
+        self._lengths = lengths
+        self._starts = np.zeros(len(pieces), dtype=np.int64)
+        np.cumsum(lengths[:-1], out=self._starts[1:])
+        self._blob = np.frombuffer(b"".join(pieces), dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def digest(self) -> str:
+        """Identity of the vocabulary (what the tool-call log scopes its records by)."""
+        h = xxhash.xxh3_128()
+        h.update(self._lengths.tobytes())
+        h.update(self._blob.tobytes())
+        return h.hexdigest()
+
+    def piece(self, token: int) -> bytes:
+        token = token if 0 <= token < self._size else self._size
+        start = int(self._starts[token])
+        return self._blob[start : start + int(self._lengths[token])].tobytes()
+
+    def render(self, tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
+        """Text of ``tokens`` and the byte offset where each token ends."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self._size):
+            tokens = np.where((tokens < 0) | (tokens >= self._size), self._size, tokens)
+        lengths = self._lengths[tokens]
+        ends = np.cumsum(lengths)
+        total = int(ends[-1]) if tokens.size else 0
+        if total == 0:
+            return b"", ends
+        # Gather variable-length pieces: index = start of its token + offset inside it.
+        shift = self._starts[tokens] - (ends - lengths)
+        index = np.arange(total, dtype=np.int64) + np.repeat(shift, lengths)
+        return self._blob[index].tobytes(), ends
+
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 

@@ -16,7 +16,8 @@ from vllm_kvdisk.compat import (Placement, UnsupportedConfig, check_context_para
                                 kv_dtype_identity, kv_shard, layer_range, tp_replicas)
 from vllm_kvdisk.config import KVDiskConfig, load_config
 from vllm_kvdisk.identity import model_identity
-from vllm_kvdisk.keys import Fingerprint, TokenTable
+from vllm_kvdisk.keys import Fingerprint
+from vllm_kvdisk.tokens import TokenTable, table_from_tokenizer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -76,8 +77,6 @@ def engine_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig |
 
 def token_table_for(vllm_config: VllmConfig) -> TokenTable:
     from vllm.tokenizers import cached_tokenizer_from_config
-
-    from vllm_kvdisk.tokens import table_from_tokenizer
 
     tokenizer = cached_tokenizer_from_config(vllm_config.model_config)
     if tokenizer is None:

@@ -15,9 +15,9 @@ import numpy as np
 
 from vllm_kvdisk.fileread import read_tokens, read_tool_map
 from vllm_kvdisk.format import FormatError
-from vllm_kvdisk.keys import TokenTable
 from vllm_kvdisk.logs import get_logger
 from vllm_kvdisk.store import Store
+from vllm_kvdisk.tokens import TokenTable
 
 log = get_logger(__name__)
 

@@ -261,13 +261,6 @@ class ToolLog:
                 os.unlink(old_name, dir_fd=self._dir_fd)
             self._offsets.pop(old_name, None)
 
-    def sync(self) -> None:
-        """fsync this process's log (for power loss; a kill needs none)."""
-        with self._lock:
-            if self._fd is not None:
-                with contextlib.suppress(OSError):
-                    os.fsync(self._fd)
-
     # -- reading ------------------------------------------------------------------------
     def poll(self) -> list[ToolCall]:
         """Calls appended by any process since the last poll, oldest first within a file.

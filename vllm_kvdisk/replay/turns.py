@@ -41,10 +41,6 @@ class Plan:
     fallback: str | None = None  # why rendering did not use the plan
     notes: list[str] = field(default_factory=list)  # why a turn renders as the template does
 
-    @property
-    def seen_ids(self) -> int:
-        return self.from_memory + self.from_disk + self.missing + self.changed
-
     def summary(self) -> str:
         if self.fallback:
             line = (f"none (rendered as usual: {self.fallback}); "
