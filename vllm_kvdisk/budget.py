@@ -6,7 +6,8 @@ removes checkpoint files (mixed into it; it uses the store's index, namespaces a
   is refreshed, the parent must still be on disk, room is made if the budget or the
   free-space watermark needs it (leaves only, never the new file's ancestors, never the
   ``protect``ed keys), and the file is renamed into place. A save that cannot fit evicts
-  nothing and raises :class:`SaveSkipped`.
+  nothing and raises :class:`SaveSkipped`; so does one whose name is on disk already
+  (``exists``: one text rendered from other token ids): a file is never renamed over.
 * ENOSPC while writing the temp file (the volume is fuller than the budget knows) makes
   room once and writes again.
 * Evictions and ``kvdisk gc`` decide from a fresh listing under the same lock; a whole
@@ -33,7 +34,8 @@ from vllm_kvdisk.scan import KV_NAME
 log = get_logger(__name__)
 
 TRASH_PREFIX = ".trash-"
-SKIP_REASONS = ("no_space", "lock_timeout", "parent_gone", "namespace_removed", "busy")
+SKIP_REASONS = ("no_space", "lock_timeout", "parent_gone", "namespace_removed", "busy",
+                "exists")
 
 
 class SaveSkipped(Exception):
@@ -102,6 +104,12 @@ class BudgetMixin:
             above = self.index.get(ns, entry.parent)
             if above is None or not above.parent_tokens < entry.parent_tokens <= above.tokens:
                 raise SaveSkipped("parent_gone", f"parent {entry.parent[:12]} is not on disk")
+        if tmp is not None and _on_disk(tmp.dir_fd, tmp.final):
+            # One rendered text can come from other token ids (a sampled tokenization and
+            # the canonical one): same name, other content. Renaming over it would leave
+            # its children under a parent of other ids (orphans), or close a parent cycle
+            # nothing can evict. Names change only under this lock, so the file stays.
+            raise SaveSkipped("exists", f"{tmp.final} is on disk already")
         incoming = entry.size if tmp is None else 0  # a written temp file already takes room
         need = self._shortfall(entry.size, incoming)
         if need > 0:
@@ -198,3 +206,12 @@ class BudgetMixin:
             os.rmdir(name, dir_fd=self._root_fd)
         return removed
 
+
+def _on_disk(dir_fd: int, name: str) -> bool:
+    """Whether ``name`` exists in ``dir_fd`` (asked of the directory, not of an index
+    whose refresh may have trusted an unchanged mtime)."""
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True

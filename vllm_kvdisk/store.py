@@ -11,7 +11,8 @@ Layout of ``root`` (0700 directories, 0600 files)::
 Invariants:
 * A ``.kv`` name appears only after its bytes are written and fsynced, and only while its
   parent is on disk: the rename happens under the lock after the parent was seen (a
-  refresh never trusts an mtime read within a timestamp tick of the change: ``scan.racy``).
+  refresh never trusts an mtime read within a timestamp tick of the change: ``scan.racy``),
+  and never over a file of that name (same text, maybe other ids: the save is skipped).
 * Budget and free-space decisions are made under the lock from the directory as it is
   (a re-listing), counting every process's files, so N replicas keep one budget; a new
   file and its ancestors are never leaves of its own eviction plan; a save that cannot

@@ -1,0 +1,53 @@
+"""Several replicas on one directory: races between two stores, made deterministic by
+calling them in a chosen order or by an Event barrier (never by timing)."""
+
+import os
+import threading
+
+import numpy as np
+import pytest
+from synth import FP, encode, pages, planner, prompt_of, save
+
+from vllm_kvdisk import fsdir
+from vllm_kvdisk import verify as verify_module
+from vllm_kvdisk.budget import SaveSkipped
+from vllm_kvdisk.format import HEADER_FIELD_HITS, Reason
+from vllm_kvdisk.store import Store
+from vllm_kvdisk.verify import verify
+
+
+def replicas(tmp_path, **kw):
+    kw.setdefault("space_bytes", 1 << 30)
+    a = Store(str(tmp_path / "cache"), **kw)
+    ns = a.ensure_namespace(FP)
+    b = Store(a.root, **kw)
+    b.scan()
+    return a, b, ns
+
+
+def prompt(seed=0, n=400):
+    return prompt_of(np.random.default_rng(seed).integers(0, 256, n))
+
+
+def test_a_name_on_disk_is_never_replaced_by_other_content(tmp_path):
+    """Token 256 is "ab": 48 of them render the same text as 96 ids of "a", "b", so both
+    saves have one name. Replica B's save used to rename over replica A's file, and A's
+    child then hung under a parent of other ids: an orphan nothing could load."""
+    a, b, ns = replicas(tmp_path)
+    rng = np.random.default_rng(0)
+    pa = prompt_of(np.array([256] * 48 + [97] * 64))
+    pb = prompt_of(np.array([97, 98] * 48))
+    root, _ = save(a, ns, pa, 48, rng)
+    child, _ = save(a, ns, pa, 112, rng)
+    b.refresh(ns)
+    plan = planner(b).plan_save(ns, pb, 96, Reason.COLD)
+    assert plan is not None and plan.sha1 == root.sha1 and plan.parent is None
+    inode = os.stat(a.path(ns, root.sha1)).st_ino
+    with pytest.raises(SaveSkipped, match="exists"):
+        b.write(ns, plan.sha1, encode(plan, pb, pages(rng, plan)))
+    assert os.stat(a.path(ns, root.sha1)).st_ino == inode
+    fresh = Store(a.root, space_bytes=1 << 30)
+    fresh.scan()
+    assert [e.sha1 for e in planner(fresh).lookup(ns, pa.ids, 112).chain] == [
+        root.sha1, child.sha1]
+    assert not fresh.index.orphans() and verify(fresh).ok
