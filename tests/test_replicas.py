@@ -51,3 +51,26 @@ def test_a_name_on_disk_is_never_replaced_by_other_content(tmp_path):
     assert [e.sha1 for e in planner(fresh).lookup(ns, pa.ids, 112).chain] == [
         root.sha1, child.sha1]
     assert not fresh.index.orphans() and verify(fresh).ok
+
+
+def test_a_reused_inode_is_not_mistaken_for_the_file_it_held(tmp_path):
+    """ext4 hands a freed inode to the next file at once. Replica B evicts X and saves it
+    again as a delta on a new parent Q; the new X got X's old inode. Replica A's entry
+    (no parent, the old size) used to survive even a forced refresh, and A's eviction then
+    deleted Q under X: an orphan, and a budget counted with the wrong size."""
+    a, b, ns = replicas(tmp_path)
+    rng = np.random.default_rng(0)
+    p = prompt(3)
+    x, _ = save(a, ns, p, 48, rng)
+    b.refresh(ns)
+    b.remove_file(ns, x.sha1)  # B evicts X ...
+    q, _ = save(b, ns, p, 32, rng)  # ... and saves a shorter prefix, then X on it
+    x2, _ = save(b, ns, p, 48, rng)
+    assert x2.sha1 == x.sha1 and x2.parent == q.sha1
+    # The inode reuse, made certain: A's stale entry carries the new file's inode.
+    a.index.get(ns, x.sha1).inode = os.stat(a.path(ns, x.sha1)).st_ino
+    a.refresh(ns, force=True)
+    seen = a.index.get(ns, x.sha1)
+    assert seen.parent == q.sha1 and seen.size == os.stat(a.path(ns, x.sha1)).st_size
+    assert [e.sha1 for e in a.evict(1)] == [x.sha1]  # the leaf goes, never Q under it
+    assert not a.index.orphans() and verify(a).ok

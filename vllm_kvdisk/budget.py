@@ -29,7 +29,7 @@ from vllm_kvdisk.fileread import summary_of
 from vllm_kvdisk.format import Encoded, FormatError
 from vllm_kvdisk.index import Entry, Key, entry_of
 from vllm_kvdisk.logs import get_logger
-from vllm_kvdisk.scan import KV_NAME
+from vllm_kvdisk.scan import KV_NAME, identity
 
 log = get_logger(__name__)
 
@@ -73,7 +73,7 @@ class BudgetMixin:
                     written = tmp.write(encoded.buffers)
                 if written != encoded.size:
                     raise FormatError(f"wrote {written} bytes, layout says {encoded.size}")
-                entry.inode = tmp.inode()
+                entry.inode, entry.size, entry.mtime_ns = identity(tmp.stat())
                 self._commit(entry, tmp, protect)
         except SaveSkipped:
             self.stats.skipped_saves += 1

@@ -173,8 +173,8 @@ class TempFile:
         os.ftruncate(self.fd, 0)
         os.lseek(self.fd, 0, os.SEEK_SET)
 
-    def inode(self) -> int:
-        return os.fstat(self.fd).st_ino
+    def stat(self) -> os.stat_result:
+        return os.fstat(self.fd)
 
     def commit(self) -> None:
         os.replace(self.name, self.final, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)

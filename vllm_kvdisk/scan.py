@@ -4,7 +4,8 @@ index from the directory (mixed into it; it uses the store's namespaces and mute
 * A scan reads only each file's first bytes (header, sections table, stored-id digests);
   payloads are never touched. A refresh is one stat of a namespace directory when nothing
   changed, else a re-listing: files another process added are indexed, files it deleted
-  or replaced (a new inode) are forgotten or re-indexed. An mtime read within a timestamp
+  or replaced are forgotten or re-indexed. A file is known by (inode, size, mtime): an
+  inode alone is reused at once by the next file. An mtime read within a timestamp
   tick of the directory's last change is not trusted (the next refresh lists again): a
   change in that tick would not move it.
 * Only a file proven corrupt in this build's format version is quarantined. A file of
@@ -50,6 +51,13 @@ def racy(mtime_ns: int, looked_ns: int) -> bool:
     return looked_ns - mtime_ns < tick
 
 
+def identity(st: os.stat_result) -> tuple[int, int, int]:
+    """What tells one file from another under one name: its inode alone does not, since a
+    freed inode is handed to the next file at once (ext4); a new file there has another
+    size or mtime, and a header changed in place (hits) has another mtime."""
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class ScanMixin:
     # -- scanning ---------------------------------------------------------------------
     def scan(self) -> None:
@@ -92,21 +100,24 @@ class ScanMixin:
         mtime = os.fstat(state.fd).st_mtime_ns
         if not force and mtime == state.mtime_ns:
             return False
-        listed: dict[str, int] = {}
+        listed: dict[str, tuple[int, int, int]] = {}  # sha1 -> its identity
         now = self.clock()
         with os.scandir(state.fd) as it:
             for de in it:
                 if KV_NAME.match(de.name):
                     if de.is_file(follow_symlinks=False):
-                        listed[de.name[:40]] = de.inode()
+                        with contextlib.suppress(FileNotFoundError):
+                            listed[de.name[:40]] = identity(de.stat(follow_symlinks=False))
                 elif de.name.startswith(fsdir.TMP_PREFIX) and not self.readonly:
                     if fsdir.writer_gone(state.fd, de.name, now):
                         with contextlib.suppress(OSError):
                             os.unlink(de.name, dir_fd=state.fd)
         for entry in self.index.namespace_entries(ns):
-            if listed.get(entry.sha1) != entry.inode:
-                self.index.remove(ns, entry.sha1)  # deleted or replaced by another process
-        todo = [sha1 for sha1, inode in listed.items() if (ns, sha1) not in self.index
+            if listed.get(entry.sha1) != (entry.inode, entry.size, entry.mtime_ns):
+                # Deleted, replaced by another process (maybe on this file's freed inode),
+                # or its header changed in place (hits): read it again.
+                self.index.remove(ns, entry.sha1)
+        todo = [sha1 for sha1, (inode, _, _) in listed.items() if (ns, sha1) not in self.index
                 and state.skipped.get(sha1, (None,))[0] != inode]
         complete = True
         for sha1, found in self._read_files(state.fd, todo):
@@ -179,7 +190,7 @@ class ScanMixin:
         if isinstance(found, OSError):
             return self._unreadable(ns, sha1, found)
         summary, size, inode, mtime_ns = found
-        self.index.add(entry_of(ns, sha1, summary, size, inode, mtime_ns))
+        self.index.add(entry_of(ns, sha1, summary, size, inode, mtime_ns, mtime_ns))
         return True
 
     def _unreadable(self, ns: str, sha1: str, exc: OSError) -> bool:

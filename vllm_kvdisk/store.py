@@ -21,8 +21,9 @@ Invariants:
   another version is left alone; one that cannot be read right now (EIO, ESTALE, EMFILE)
   is skipped and tried again at the next refresh.
 * Nothing is followed through a symlink, and nothing that is not a regular file is
-  opened blocking or read (see ``fsdir``); an entry remembers its file's inode, so a file
-  replaced by another process is re-indexed, never mistaken for corrupt.
+  opened blocking or read (see ``fsdir``); an entry remembers its file's (inode, size,
+  mtime), so a file replaced by another process is re-indexed, never mistaken for corrupt,
+  even on the inode its predecessor freed.
 * A file is quarantined only while the descriptor it was proven corrupt through is open,
   and only if its name still is that file, checked and renamed under ``ROOT/.lock`` (the
   lock every writer renames under): a sound replacement is never the one moved.
@@ -136,7 +137,7 @@ class Store(ScanMixin, BudgetMixin):
         self._mutex = threading.RLock()
         self._held = threading.local()  # depth of ROOT/.lock held by this thread
         self._ns: dict[str, _Namespace] = {}
-        self._ids: OrderedDict[tuple[str, str, int], np.ndarray] = OrderedDict()
+        self._ids: OrderedDict[tuple[str, str, int, int], np.ndarray] = OrderedDict()
         self._ids_bytes = 0
         self._root_fd = -1
         self._quarantined = Quarantine(-1, self.quarantine_max_bytes, clock)
@@ -302,7 +303,7 @@ class Store(ScanMixin, BudgetMixin):
 
     def read_ids(self, entry: Entry, start: int, stop: int) -> np.ndarray | None:
         """Stored token ids ``[start, stop)`` of a file (cached), None if unreadable."""
-        key = (entry.ns, entry.sha1, entry.inode)
+        key = (entry.ns, entry.sha1, entry.inode, entry.size)  # ids never change in place
         with self._mutex:
             ids = self._ids.get(key)
             if ids is not None:
@@ -311,8 +312,9 @@ class Store(ScanMixin, BudgetMixin):
         try:
             fd = self.open_file(entry.ns, entry.sha1)
             try:
-                if os.fstat(fd).st_ino != entry.inode:
-                    return None
+                st = os.fstat(fd)
+                if (st.st_ino, st.st_size) != (entry.inode, entry.size):
+                    return None  # another file now (a freed inode is reused at once)
                 ids = np.frombuffer(read_token_range(fd, entry.ids_at, 0, entry.tokens),
                                     dtype="<u4")
             finally:
