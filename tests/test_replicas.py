@@ -74,3 +74,37 @@ def test_a_reused_inode_is_not_mistaken_for_the_file_it_held(tmp_path):
     assert seen.parent == q.sha1 and seen.size == os.stat(a.path(ns, x.sha1)).st_size
     assert [e.sha1 for e in a.evict(1)] == [x.sha1]  # the leaf goes, never Q under it
     assert not a.index.orphans() and verify(a).ok
+
+
+def test_verify_fix_decides_orphans_from_the_directory_as_it_is_at_the_end(tmp_path,
+                                                                           monkeypatch):
+    """A long checksum pass runs outside the lock. A parent another replica saves again
+    meanwhile makes its children sound again; verify --fix used to delete them (and their
+    own children) from the scan it took before the pass. A file another replica evicts
+    during the pass is gone, not "unreadable": verify used to fail on a live cache."""
+    a, b, ns = replicas(tmp_path)
+    rng = np.random.default_rng(0)
+    p = prompt(4)
+    root, _ = save(a, ns, p, 48, rng)
+    child, _ = save(a, ns, p, 112, rng)
+    grandchild, _ = save(a, ns, p, 176, rng)
+    leaf, _ = save(a, ns, prompt(5), 48, rng)
+    os.unlink(a.path(ns, root.sha1))  # a crash left the children without their parent
+    b.scan()
+    real = verify_module.check_file
+    done = []
+
+    def check_file(store, ns_, sha1, on_bad=None):
+        if not done:  # meanwhile another replica saves the parent again, evicts a leaf
+            done.append(True)
+            save(b, ns, p, 48, rng)
+            b.remove_file(ns, leaf.sha1)
+        return real(store, ns_, sha1, on_bad)
+
+    monkeypatch.setattr(verify_module, "check_file", check_file)
+    fixer = Store(a.root, space_bytes=1 << 30)
+    report = verify(fixer)
+    assert report.ok, report.problems
+    for plan in (root, child, grandchild):
+        assert os.path.exists(a.path(ns, plan.sha1))
+    assert not os.path.exists(a.path(ns, leaf.sha1))

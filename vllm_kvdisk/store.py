@@ -58,7 +58,7 @@ from vllm_kvdisk.index import Entry, Index
 from vllm_kvdisk.keys import Fingerprint, rank_group
 from vllm_kvdisk.logs import get_logger
 from vllm_kvdisk.quarantine import Quarantine
-from vllm_kvdisk.scan import ScanMixin
+from vllm_kvdisk.scan import ScanMixin, identity
 
 log = get_logger(__name__)
 
@@ -455,6 +455,30 @@ class Store(ScanMixin, BudgetMixin):
         it again)."""
         with self._mutex:
             self.index.remove(ns, sha1)
+
+    def orphans(self, *, remove: bool = False) -> list[Entry]:
+        """Files whose chain is broken, from the directory as it is now (a forced refresh):
+        never from an older view, in which a parent another replica saved since was still
+        missing. ``remove``: delete them, under the lock (no name changes meanwhile), each
+        only if its name still is the file that was judged."""
+        if not remove or self.readonly:
+            with self._mutex:
+                self._refresh_all(force=True)
+                return self.index.orphans()
+        with self.dir_lock(), self._mutex:
+            self._refresh_all(force=True)
+            found = self.index.orphans()
+            for entry in found:
+                self.index.remove(entry.ns, entry.sha1)
+                state = self._namespace(entry.ns)
+                if state is None:
+                    continue
+                name = f"{entry.sha1}.kv"
+                with contextlib.suppress(FileNotFoundError):
+                    st = os.stat(name, dir_fd=state.fd, follow_symlinks=False)
+                    if identity(st) == (entry.inode, entry.size, entry.mtime_ns):
+                        os.unlink(name, dir_fd=state.fd)
+            return found
 
     def remove_file(self, ns: str, sha1: str) -> None:
         """Delete one checkpoint (an orphan nothing can load)."""
