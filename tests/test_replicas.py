@@ -108,3 +108,59 @@ def test_verify_fix_decides_orphans_from_the_directory_as_it_is_at_the_end(tmp_p
     for plan in (root, child, grandchild):
         assert os.path.exists(a.path(ns, plan.sha1))
     assert not os.path.exists(a.path(ns, leaf.sha1))
+
+
+def test_a_file_another_replica_hit_is_not_evicted_as_cold(tmp_path):
+    """Headers of known files were never read again: replica A evicted the file replica B
+    had hit 20 times (its view said 0 hits, and it was older) instead of a cold one."""
+    now = [1000.0]
+    a, b, ns = replicas(tmp_path, clock=lambda: now[0])
+    rng = np.random.default_rng(0)
+    hot, _ = save(a, ns, prompt(6), 48, rng, now=1000)
+    now[0] = 1001
+    cold, _ = save(a, ns, prompt(7), 48, rng, now=1001)
+    b.refresh(ns)
+    for _ in range(20):
+        b.touch(ns, hot.sha1)
+    assert [e.sha1 for e in a.evict(1)] == [cold.sha1]
+    assert os.path.exists(a.path(ns, hot.sha1))
+
+
+def test_hits_of_two_replicas_on_one_file_add_up(tmp_path, monkeypatch):
+    """touch() reads the hit count and writes it back: two replicas hitting one file at
+    once both read 0 and both wrote 1. The barrier places B's whole hit between A's read
+    and A's write; a hit now holds the file's lock, so B waits for A instead."""
+    a, b, ns = replicas(tmp_path)
+    plan, _ = save(a, ns, prompt(8), 48, np.random.default_rng(0))
+    b.refresh(ns)
+    a_read, b_waits = threading.Event(), threading.Event()
+    real_pread, real_flock = os.pread, fsdir.fcntl.flock
+
+    def pread(fd, n, offset):
+        out = real_pread(fd, n, offset)
+        if threading.current_thread().name == "A" and offset == HEADER_FIELD_HITS:
+            a_read.set()
+            b_waits.wait()
+        return out
+
+    def flock(fd, op):
+        if threading.current_thread().name == "MainThread" and op == fsdir.fcntl.LOCK_EX:
+            try:
+                return real_flock(fd, op | fsdir.fcntl.LOCK_NB)
+            except BlockingIOError:
+                b_waits.set()  # B holds off until A has written
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(os, "pread", pread)
+    monkeypatch.setattr(fsdir.fcntl, "flock", flock)
+    hit_a = threading.Thread(target=a.touch, args=(ns, plan.sha1), name="A")
+    hit_a.start()
+    a_read.wait()
+    b.touch(ns, plan.sha1)
+    b_waits.set()
+    hit_a.join()
+    monkeypatch.undo()
+    fresh = Store(a.root, space_bytes=1 << 30)
+    fresh.scan()
+    assert fresh.index.get(ns, plan.sha1).hits == 2
+

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import math
 import os
@@ -339,20 +340,34 @@ class Store(ScanMixin, BudgetMixin):
         except OSError:
             return
         try:
-            if entry is not None and os.fstat(fd).st_ino != entry.inode:
+            # The count is read, then written: replicas hitting one file at once must not
+            # interleave (both read 0, both write 1). The file's own lock, held for two
+            # small writes, not ROOT/.lock, which a save holds through its evictions.
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            st = os.fstat(fd)
+            if entry is not None and (st.st_ino, st.st_size) != (entry.inode, entry.size):
                 return  # replaced by another process: its statistics are its own
-            hits = int.from_bytes(os.pread(fd, 4, HEADER_FIELD_HITS), "little")
-            os.pwrite(fd, min(hits + 1, 0xFFFFFFFF).to_bytes(4, "little"), HEADER_FIELD_HITS)
+            hits = min(int.from_bytes(os.pread(fd, 4, HEADER_FIELD_HITS), "little") + 1,
+                       0xFFFFFFFF)
+            os.pwrite(fd, hits.to_bytes(4, "little"), HEADER_FIELD_HITS)
             os.pwrite(fd, now.to_bytes(8, "little"), HEADER_FIELD_LAST_USED)
+            # A new mtime, whatever the timestamp tick, tells other replicas' refreshes
+            # that the header changed (identity): they read the hits again before they
+            # rank this file for eviction.
+            mtime_ns = max(time.time_ns(), st.st_mtime_ns + 1)
+            os.utime(fd, ns=(st.st_atime_ns, mtime_ns))
         except OSError as exc:
             log.warning("kvdisk: could not update hit count of %s: %s", sha1, exc)
+            return
         finally:
             os.close(fd)
         if entry is not None:
             with self._mutex:
-                entry.hits += 1
+                entry.hits = hits  # other replicas' hits too, read under the file's lock
                 entry.last_used = now
                 entry.used_ns = int(now_s * 1e9)
+                if entry.mtime_ns == st.st_mtime_ns:  # else a refresh reads it again
+                    entry.mtime_ns = mtime_ns
 
     # -- the directory lock -----------------------------------------------------------
     @contextlib.contextmanager
