@@ -164,3 +164,49 @@ def test_hits_of_two_replicas_on_one_file_add_up(tmp_path, monkeypatch):
     fresh.scan()
     assert fresh.index.get(ns, plan.sha1).hits == 2
 
+
+
+def test_remove_namespace_deletes_its_files_outside_the_lock(tmp_path, monkeypatch):
+    """Deleting 100k files took minutes, and under ROOT/.lock every other replica's saves
+    timed out meanwhile. The directory is renamed away under the lock; the files go after."""
+    a, b, ns = replicas(tmp_path)
+    rng = np.random.default_rng(0)
+    for seed in range(3):
+        save(a, ns, prompt(seed), 48, rng)
+    real = Store._delete_tree
+    lock_free = []
+
+    def delete_tree(self, name):
+        with b.dir_lock(timeout_s=0):  # LockTimeout while the remover holds it
+            lock_free.append(name)
+        return real(self, name)
+
+    monkeypatch.setattr(Store, "_delete_tree", delete_tree)
+    assert a.remove_namespace(ns) == 3
+    assert lock_free
+    assert [n for n in os.listdir(a.root) if n != ".lock"] == []
+
+
+def test_trash_left_by_a_killed_remover_goes_at_the_next_scan(tmp_path):
+    """A kill -9 between a namespace's rename and its deletion, a directory someone made
+    inside it, or a writer's temp file left the renamed directory for good, hidden from
+    ls, stats and verify, and counting against the free-space watermark."""
+    a, b, ns = replicas(tmp_path)
+    save(a, ns, prompt(1), 48, np.random.default_rng(0))
+    trash = os.path.join(a.root, f".trash-{ns}-123-456")
+    os.rename(a.ns_dir(ns), trash)  # the remover was killed here
+    os.makedirs(os.path.join(trash, "made", "inside"))
+    with open(os.path.join(trash, "made", "inside", "x"), "wb") as fh:
+        fh.write(b"x")
+    with open(os.path.join(trash, ".tmp-abc.kv-1-ff"), "wb") as fh:
+        fh.write(b"partial")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"k")
+    os.symlink(outside, os.path.join(trash, "link"))
+    ro = Store(a.root, space_bytes=1 << 30, readonly=True)
+    ro.scan()
+    assert os.path.exists(trash)  # a read-only store changes nothing
+    b.scan()
+    assert not os.path.exists(trash)
+    assert (outside / "keep").exists()  # never followed through a symlink

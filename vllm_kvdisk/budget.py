@@ -11,7 +11,9 @@ removes checkpoint files (mixed into it; it uses the store's index, namespaces a
 * ENOSPC while writing the temp file (the volume is fuller than the budget knows) makes
   room once and writes again.
 * Evictions and ``kvdisk gc`` decide from a fresh listing under the same lock; a whole
-  namespace is renamed away before it is deleted, so concurrent readers only miss.
+  namespace is renamed away under the lock and deleted after it (readers only miss,
+  other replicas' saves do not wait); a ``.trash-*`` left by a killed remover goes at
+  the next scan of a writable store.
 
 Pure of vLLM and torch.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 from typing import Iterable
 
 from vllm_kvdisk import fsdir
@@ -176,7 +179,9 @@ class BudgetMixin:
 
     def remove_namespace(self, ns: str) -> int:
         """Remove a whole namespace; returns the files removed. The directory is renamed
-        away first, so concurrent readers of it only miss."""
+        away under the lock, so concurrent readers of it only miss and no save lands in
+        it; its files are deleted after the lock is released (100k files take minutes,
+        and every other replica's saves would wait for the lock, then skip)."""
         with self.dir_lock(), self._mutex:
             trash = f"{TRASH_PREFIX}{ns}-{os.getpid()}-{int(self.clock() * 1000)}"
             try:
@@ -184,26 +189,40 @@ class BudgetMixin:
             except FileNotFoundError:
                 return 0
             self._namespace(ns)  # forget its descriptor and entries
-            return self._delete_tree(trash)
+        return self._delete_tree(trash)
+
+    def clear_trash(self) -> int:
+        """Delete namespaces renamed away whose deletion never finished (the remover was
+        killed, or a directory or a live writer's temp file inside kept it from being
+        empty): nothing else ever sees them, and they hold space. Returns the files
+        removed. A remover still at work meanwhile only finds fewer files to delete."""
+        if self.readonly or self._root_fd < 0:
+            return 0
+        try:
+            with os.scandir(self._root_fd) as it:
+                names = [de.name for de in it if de.name.startswith(TRASH_PREFIX)
+                         and de.is_dir(follow_symlinks=False)]
+        except OSError as exc:
+            log.warning("kvdisk: cannot list %s: %s", self.root, exc)
+            return 0
+        return sum(self._delete_tree(name) for name in names)
 
     def _delete_tree(self, name: str) -> int:
-        removed = 0
-        fd = fsdir.open_dir(name, self._root_fd)
+        """Delete a namespace renamed away, whatever is inside; the checkpoints removed.
+        ``shutil.rmtree`` with ``dir_fd`` walks by descriptors and unlinks a symlink
+        without following it, and unlinking never opens (FIFOs and devices go too)."""
+        try:
+            fd = fsdir.open_dir(name, self._root_fd)
+        except OSError:
+            return 0
         try:
             with os.scandir(fd) as it:
-                for de in it:
-                    # Unlinking never opens: FIFOs, sockets and device nodes go too. A
-                    # directory someone made inside goes only if empty (never recursed).
-                    with contextlib.suppress(OSError):
-                        if de.is_dir(follow_symlinks=False):
-                            os.rmdir(de.name, dir_fd=fd)
-                            continue
-                        os.unlink(de.name, dir_fd=fd)
-                        removed += bool(KV_NAME.match(de.name))
+                removed = sum(1 for de in it if KV_NAME.match(de.name))
+        except OSError:
+            removed = 0
         finally:
             os.close(fd)
-        with contextlib.suppress(OSError):
-            os.rmdir(name, dir_fd=self._root_fd)
+        shutil.rmtree(name, ignore_errors=True, dir_fd=self._root_fd)
         return removed
 
 

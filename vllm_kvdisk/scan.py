@@ -61,7 +61,10 @@ def identity(st: os.stat_result) -> tuple[int, int, int]:
 class ScanMixin:
     # -- scanning ---------------------------------------------------------------------
     def scan(self) -> None:
-        """Rebuild the index from the file headers on disk (payloads untouched)."""
+        """Rebuild the index from the file headers on disk (payloads untouched), after
+        deleting what killed removers left (``clear_trash``, outside the mutex: it may
+        take long)."""
+        self.clear_trash()
         with self._mutex:
             self.index.clear()
             for state in self._ns.values():
