@@ -3,7 +3,8 @@ removes checkpoint files (mixed into it; it uses the store's index, namespaces a
 
 * A file is written to a locked temp file and fsynced outside the lock; then, under the
   cross-process lock (waited on at most ``lock_timeout_s``): the view of every namespace
-  is refreshed, the parent must still be on disk, room is made if the budget or the
+  is refreshed (not at all when the lock file's change count is where this store's own
+  last change left it: see ``Store._renamed``), the parent must still be on disk, room is made if the budget or the
   free-space watermark needs it (leaves only, never the new file's ancestors, never the
   ``protect``ed keys), and the file is renamed into place. A save that cannot fit evicts
   nothing and raises :class:`SaveSkipped`; so does one whose name is on disk already
@@ -100,12 +101,18 @@ class BudgetMixin:
     def _commit_locked(self, entry: Entry, tmp: fsdir.TempFile | None,
                        protect: Iterable[Key]) -> None:
         ns = entry.ns
-        self._refresh_all()
+        gen = self._generation()
+        if gen is None or gen != self._gen_seen:  # else no name changed since our look
+            # Whole at this count (-1: whole, count unknown) unless the refresh finds a
+            # file it cannot read.
+            self._gen_seen = -1 if gen is None else gen
+            self._refresh_all()
         if tmp is not None and not fsdir.same_dir(tmp.dir_fd, ns, self._root_fd):
             raise SaveSkipped("namespace_removed", f"namespace {ns} was removed meanwhile")
         if entry.parent is not None:
             above = self.index.get(ns, entry.parent)
-            if above is None or not above.parent_tokens < entry.parent_tokens <= above.tokens:
+            if (above is None or not above.parent_tokens < entry.parent_tokens <= above.tokens
+                    or not self._still_there(above)):
                 raise SaveSkipped("parent_gone", f"parent {entry.parent[:12]} is not on disk")
         if tmp is not None and _on_disk(tmp.dir_fd, tmp.final):
             # One rendered text can come from other token ids (a sampled tokenization and
@@ -128,12 +135,28 @@ class BudgetMixin:
                     f"{need} bytes must be freed for a file of {entry.size} but only {freed} "
                     "are evictable (budget or free-space watermark)"))
             self._delete(plan)
+            self._renamed()
         if tmp is None:
             return
         tmp.commit()
         self.index.add(entry)
+        self._renamed()
         self.stats.written += 1
         self.stats.bytes_written += entry.size
+
+    def _still_there(self, entry: Entry) -> bool:
+        """Whether ``entry``'s file is on disk, asked of the directory (one stat): a
+        parent deleted without the lock (by hand, a crash) is not counted in the lock
+        file, and a refresh may have trusted an unchanged mtime. Not the mtime: a hit
+        moves it."""
+        state = self._namespace(entry.ns)
+        if state is None:
+            return False
+        try:
+            st = os.stat(f"{entry.sha1}.kv", dir_fd=state.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return (st.st_ino, st.st_size) == (entry.inode, entry.size)
 
     def _shortfall(self, size: int, incoming: int) -> int:
         """Bytes to free so a file of ``size`` fits the budget and the watermark
@@ -167,8 +190,9 @@ class BudgetMixin:
             self._refresh_all(force=True)
             plan = plan_eviction(self.index, need_bytes, self.clock(), protect,
                                  groups=self.rank_groups())
-            if not dry_run:
+            if not dry_run and plan:
                 self._delete(plan)
+                self._renamed()
         return plan
 
     def gc_to(self, target_bytes: int, *, dry_run: bool = False) -> list[Entry]:
@@ -188,6 +212,7 @@ class BudgetMixin:
                 os.rename(ns, trash, src_dir_fd=self._root_fd, dst_dir_fd=self._root_fd)
             except FileNotFoundError:
                 return 0
+            self._renamed()
             self._namespace(ns)  # forget its descriptor and entries
         return self._delete_tree(trash)
 

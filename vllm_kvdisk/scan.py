@@ -67,6 +67,7 @@ class ScanMixin:
         self.clear_trash()
         with self._mutex:
             self.index.clear()
+            self._gen_seen = None
             for state in self._ns.values():
                 state.mtime_ns, state.skipped = -1, {}
             self.rejected.clear()
@@ -80,6 +81,7 @@ class ScanMixin:
             try:
                 return self._refresh(ns, force)
             except OSError as exc:
+                self._gen_seen = None
                 log.warning("kvdisk: could not refresh %s/%s: %s", self.root, ns, exc)
                 return False
 
@@ -92,6 +94,7 @@ class ScanMixin:
             try:
                 self._refresh(ns, force)
             except OSError as exc:
+                self._gen_seen = None
                 log.warning("kvdisk: could not refresh %s/%s: %s", self.root, ns, exc)
 
     def _refresh(self, ns: str, force: bool) -> bool:
@@ -130,6 +133,8 @@ class ScanMixin:
         # A file we could not read right now keeps the directory "changed", so the next
         # refresh tries it again; so does an mtime too recent to be trusted.
         state.mtime_ns = mtime if complete and not racy(mtime, looked_ns) else -1
+        if not complete:
+            self._gen_seen = None  # a file is missing from the index: list again
         return True
 
     @staticmethod

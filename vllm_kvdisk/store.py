@@ -14,7 +14,8 @@ Invariants:
   refresh never trusts an mtime read within a timestamp tick of the change: ``scan.racy``),
   and never over a file of that name (same text, maybe other ids: the save is skipped).
 * Budget and free-space decisions are made under the lock from the directory as it is
-  (a re-listing), counting every process's files, so N replicas keep one budget; a new
+  (a re-listing, unless the lock file's change count shows no name changed since this
+  store's last whole view; evictions always re-list), counting every process's files, so N replicas keep one budget; a new
   file and its ancestors are never leaves of its own eviction plan; a save that cannot
   fit (an unreachable watermark) is skipped and evicts nothing.
 * Only a file proven corrupt in this build's format version is quarantined. A file of
@@ -136,7 +137,10 @@ class Store(ScanMixin, BudgetMixin):
         # Guards the index and the descriptors: I/O threads of one process write, evict and
         # quarantine at once. Never held while waiting for the cross-process lock.
         self._mutex = threading.RLock()
-        self._held = threading.local()  # depth of ROOT/.lock held by this thread
+        self._held = threading.local()  # depth of ROOT/.lock held by this thread, its fd
+        # The lock file's change count at which this index was last whole (see _renamed;
+        # -1: whole, while the count was unknown; None: not known to be whole).
+        self._gen_seen: int | None = None
         self._ns: dict[str, _Namespace] = {}
         self._ids: OrderedDict[tuple[str, str, int, int], np.ndarray] = OrderedDict()
         self._ids_bytes = 0
@@ -203,6 +207,7 @@ class Store(ScanMixin, BudgetMixin):
         return state
 
     def _forget_namespace(self, ns: str) -> None:
+        self._gen_seen = None  # a listing must find its files again
         for entry in self.index.namespace_entries(ns):
             self.index.remove(ns, entry.sha1)
 
@@ -384,12 +389,42 @@ class Store(ScanMixin, BudgetMixin):
                 self._held.depth = depth
             return
         with fsdir.locked(self._root_fd,
-                          self.lock_timeout_s if timeout_s is None else timeout_s):
-            self._held.depth = 1
+                          self.lock_timeout_s if timeout_s is None else timeout_s) as fd:
+            self._held.depth, self._held.fd = 1, fd
             try:
                 yield
             finally:
-                self._held.depth = 0
+                self._held.depth, self._held.fd = 0, -1
+
+    # Checkpoint names change only under ROOT/.lock (a save's rename, an eviction, gc, a
+    # quarantine, verify --fix, rm), and each change adds one to the u64 LE count in the
+    # first 8 bytes of the lock file. A store whose index was whole at count N and sees N
+    # again under the lock knows nothing was renamed or deleted since: its own temp file
+    # moved the directory's mtime, nothing else did, and it does not list it again.
+    def _generation(self) -> int | None:
+        """The lock file's count (None: unknown, e.g. never written); under the lock."""
+        try:
+            raw = os.pread(self._held.fd, 8, 0)
+        except OSError:
+            return None
+        return int.from_bytes(raw, "little") if len(raw) == 8 else None
+
+    def _renamed(self) -> None:
+        """Under the lock, after this store renamed or deleted checkpoint names and told
+        its own index: count the change for the other stores."""
+        gen = self._generation()
+        try:
+            os.pwrite(self._held.fd, ((gen or 0) + 1 & (1 << 64) - 1).to_bytes(8, "little"), 0)
+        except OSError as exc:
+            # A count that did not move would hide the change: make it unknown, so every
+            # store lists again until a later change writes it (truncating needs no space).
+            log.warning("kvdisk: cannot count a change in %s/.lock: %s", self.root, exc)
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._held.fd, 0)
+            self._gen_seen = None
+            return
+        whole = self._gen_seen is not None and self._gen_seen == (-1 if gen is None else gen)
+        self._gen_seen = (gen or 0) + 1 if whole else None
 
     # -- quarantine -------------------------------------------------------------------
     def quarantine(self, ns: str, sha1: str, why: str, *, inode: int | None = None,
@@ -430,6 +465,8 @@ class Store(ScanMixin, BudgetMixin):
         try:
             with self.dir_lock(None if wait else 0.0):
                 moved = self._quarantined.move(state.fd, ns, sha1, why, inode, dev)
+                if moved:
+                    self._renamed()
         except fsdir.LockTimeout:
             return None
         if moved:
@@ -470,6 +507,7 @@ class Store(ScanMixin, BudgetMixin):
         it again)."""
         with self._mutex:
             self.index.remove(ns, sha1)
+            self._gen_seen = None
 
     def orphans(self, *, remove: bool = False) -> list[Entry]:
         """Files whose chain is broken, from the directory as it is now (a forced refresh):
@@ -493,14 +531,16 @@ class Store(ScanMixin, BudgetMixin):
                     st = os.stat(name, dir_fd=state.fd, follow_symlinks=False)
                     if identity(st) == (entry.inode, entry.size, entry.mtime_ns):
                         os.unlink(name, dir_fd=state.fd)
+                        self._renamed()
             return found
 
     def remove_file(self, ns: str, sha1: str) -> None:
-        """Delete one checkpoint (an orphan nothing can load)."""
-        with self._mutex:
+        """Delete one checkpoint, under the lock like every change of a name."""
+        with self.dir_lock(), self._mutex:
             self.index.remove(ns, sha1)
             state = self._namespace(ns)
             if state is not None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(f"{sha1}.kv", dir_fd=state.fd)
+                    self._renamed()
 
