@@ -243,3 +243,32 @@ def test_a_save_lists_the_namespace_only_after_another_replica_changed_it(tmp_pa
     fresh = Store(a.root, space_bytes=1 << 30)
     fresh.scan()
     assert a.index.total_bytes == fresh.index.total_bytes and len(a.index) == 6
+
+
+def test_a_name_landing_while_a_save_writes_is_not_replaced(tmp_path, monkeypatch):
+    """The same race with the other file landing while this save writes its temp file:
+    only the check under the lock, just before the rename, can see it."""
+    a, b, ns = replicas(tmp_path)
+    rng = np.random.default_rng(0)
+    pa = prompt_of(np.array([256] * 48 + [97] * 64))
+    pb = prompt_of(np.array([97, 98] * 48))
+    plan = planner(b).plan_save(ns, pb, 96, Reason.COLD)
+    write = fsdir.TempFile.write
+    landed, started = [], []
+
+    def meanwhile(self, buffers):
+        written = write(self, buffers)
+        if not started:  # replica A lands the name (and a child on it) meanwhile
+            started.append(True)
+            landed.append(save(a, ns, pa, 48, rng)[0])
+            landed.append(save(a, ns, pa, 112, rng)[0])
+        return written
+
+    monkeypatch.setattr(fsdir.TempFile, "write", meanwhile)
+    with pytest.raises(SaveSkipped, match="exists"):
+        b.write(ns, plan.sha1, encode(plan, pb, pages(rng, plan)))
+    assert landed[0].sha1 == plan.sha1
+    fresh = Store(a.root, space_bytes=1 << 30)
+    fresh.scan()
+    assert [e.sha1 for e in planner(fresh).lookup(ns, pa.ids, 112).chain] == [
+        s.sha1 for s in landed]

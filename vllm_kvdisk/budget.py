@@ -62,6 +62,10 @@ class BudgetMixin:
             if state is None:
                 raise OSError(errno.ENOENT, f"cannot create namespace {ns}")
             dir_fd = os.dup(state.fd)  # ours until the end, whatever happens to the cache
+        if _on_disk(dir_fd, f"{sha1}.kv"):  # checked again under the lock; spares the write
+            os.close(dir_fd)
+            self.stats.skipped_saves += 1
+            raise SaveSkipped("exists", f"{sha1}.kv is on disk already")
         entry = entry_of(ns, sha1, summary_of(encoded), encoded.size, 0,
                          used_ns=int(self.clock() * 1e9))
         try:
