@@ -347,8 +347,10 @@ class Store(ScanMixin, BudgetMixin):
         try:
             # The count is read, then written: replicas hitting one file at once must not
             # interleave (both read 0, both write 1). The file's own lock, held for two
-            # small writes, not ROOT/.lock, which a save holds through its evictions.
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            # small writes, not ROOT/.lock, which a save holds through its evictions. A
+            # file system without flock still counts the hit (maybe losing a concurrent one).
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_EX)
             st = os.fstat(fd)
             if entry is not None and (st.st_ino, st.st_size) != (entry.inode, entry.size):
                 return  # replaced by another process: its statistics are its own

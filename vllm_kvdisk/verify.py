@@ -21,6 +21,7 @@ from typing import Callable
 
 from vllm_kvdisk.fileread import check_layers, read_meta, read_tokens, read_tool_map, text_sha1
 from vllm_kvdisk.format import FormatError
+from vllm_kvdisk.fsdir import LockTimeout
 from vllm_kvdisk.index import Entry
 from vllm_kvdisk.store import Store
 
@@ -121,10 +122,14 @@ def verify(store: Store, *, jobs: int = 1,
     # Judged from the directory as it is after the long pass (a parent may have been saved
     # again meanwhile), and deleted in the same hold of the lock. Deleting an orphan can
     # orphan nothing new: its children are orphans already.
-    for entry in store.orphans(remove=fix):
+    try:
+        orphans, removed = store.orphans(remove=fix), fix
+    except LockTimeout:  # replicas busy: report them, a later --fix deletes them
+        orphans, removed = store.orphans(), False
+    for entry in orphans:
         report.problems.append(Problem(entry.ns, entry.sha1, "orphan",
                                        f"parent {entry.parent} missing or inconsistent"))
-        report.fixed += fix
+        report.fixed += removed
     for ns, name, abandoned in temps:
         if not abandoned:
             report.writing += 1
