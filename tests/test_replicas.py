@@ -272,3 +272,18 @@ def test_a_name_landing_while_a_save_writes_is_not_replaced(tmp_path, monkeypatc
     fresh.scan()
     assert [e.sha1 for e in planner(fresh).lookup(ns, pa.ids, 112).chain] == [
         s.sha1 for s in landed]
+
+
+def test_a_hard_linked_lock_file_is_never_written(tmp_path):
+    """The lock file now holds a change count; someone else's file hard-linked as
+    ``.lock`` must not get those bytes (and its count is then never trusted)."""
+    a, b, ns = replicas(tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    os.link(victim, os.path.join(a.root, ".lock"))
+    rng = np.random.default_rng(0)
+    save(a, ns, prompt(1), 48, rng)
+    theirs, _ = save(b, ns, prompt(2), 48, rng)
+    save(a, ns, prompt(3), 48, rng)
+    assert victim.read_bytes() == b"precious"
+    assert a.index.get(ns, theirs.sha1) is not None

@@ -43,6 +43,7 @@ import json
 import math
 import os
 import re
+import secrets
 import threading
 import time
 from collections import OrderedDict, deque
@@ -403,8 +404,19 @@ class Store(ScanMixin, BudgetMixin):
     # first 8 bytes of the lock file. A store whose index was whole at count N and sees N
     # again under the lock knows nothing was renamed or deleted since: its own temp file
     # moved the directory's mtime, nothing else did, and it does not list it again.
+    def _lock_file_ours(self) -> bool:
+        """Whether the lock file may be read and written: not through a name with other
+        hard links (someone else's file linked as ``.lock`` would get our bytes)."""
+        try:
+            return os.fstat(self._held.fd).st_nlink == 1
+        except OSError:
+            return False
+
     def _generation(self) -> int | None:
-        """The lock file's count (None: unknown, e.g. never written); under the lock."""
+        """The lock file's count (None: unknown: never written, or not ours to trust);
+        under the lock."""
+        if not self._lock_file_ours():
+            return None
         try:
             raw = os.pread(self._held.fd, 8, 0)
         except OSError:
@@ -414,9 +426,15 @@ class Store(ScanMixin, BudgetMixin):
     def _renamed(self) -> None:
         """Under the lock, after this store renamed or deleted checkpoint names and told
         its own index: count the change for the other stores."""
+        if not self._lock_file_ours():
+            self._gen_seen = None  # unknown to every store: each lists at every save
+            return
         gen = self._generation()
+        # An unknown count starts again at a random value, never at one a store may have
+        # seen before it was lost (truncated below).
+        new = secrets.randbits(64) if gen is None else gen + 1 & (1 << 64) - 1
         try:
-            os.pwrite(self._held.fd, ((gen or 0) + 1 & (1 << 64) - 1).to_bytes(8, "little"), 0)
+            os.pwrite(self._held.fd, new.to_bytes(8, "little"), 0)
         except OSError as exc:
             # A count that did not move would hide the change: make it unknown, so every
             # store lists again until a later change writes it (truncating needs no space).
@@ -426,7 +444,7 @@ class Store(ScanMixin, BudgetMixin):
             self._gen_seen = None
             return
         whole = self._gen_seen is not None and self._gen_seen == (-1 if gen is None else gen)
-        self._gen_seen = (gen or 0) + 1 if whole else None
+        self._gen_seen = new if whole else None
 
     # -- quarantine -------------------------------------------------------------------
     def quarantine(self, ns: str, sha1: str, why: str, *, inode: int | None = None,
