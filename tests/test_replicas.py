@@ -176,10 +176,10 @@ def test_remove_namespace_deletes_its_files_outside_the_lock(tmp_path, monkeypat
     real = Store._delete_tree
     lock_free = []
 
-    def delete_tree(self, name):
+    def delete_tree(self, name, **kwargs):
         with b.dir_lock(timeout_s=0):  # LockTimeout while the remover holds it
             lock_free.append(name)
-        return real(self, name)
+        return real(self, name, **kwargs)
 
     monkeypatch.setattr(Store, "_delete_tree", delete_tree)
     assert a.remove_namespace(ns) == 3
@@ -287,3 +287,32 @@ def test_a_hard_linked_lock_file_is_never_written(tmp_path):
     save(a, ns, prompt(3), 48, rng)
     assert victim.read_bytes() == b"precious"
     assert a.index.get(ns, theirs.sha1) is not None
+
+
+def test_reset_cache_leaves_the_deletion_to_a_thread(tmp_path, monkeypatch):
+    """reset_cache runs inside the engine's step: the namespace is renamed away at once
+    (no lookup or save finds it), its files go in a thread of their own."""
+    import shutil
+
+    a, b, ns = replicas(tmp_path)
+    rng = np.random.default_rng(0)
+    for seed in range(3):
+        save(a, ns, prompt(seed), 48, rng)
+    started, gate = threading.Event(), threading.Event()
+    real = shutil.rmtree
+
+    def rmtree(*args, **kwargs):
+        started.set()
+        gate.wait()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    assert a.remove_namespace(ns, wait=False) == 3  # returned while the deletion waits
+    started.wait()
+    assert not os.path.exists(a.ns_dir(ns))
+    b.refresh(ns)
+    assert len(b.index) == 0
+    gate.set()
+    for thread in a.removing:
+        thread.join()
+    assert [n for n in os.listdir(a.root) if n != ".lock"] == []

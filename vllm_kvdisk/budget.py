@@ -25,6 +25,7 @@ import contextlib
 import errno
 import os
 import shutil
+import threading
 from typing import Iterable
 
 from vllm_kvdisk import fsdir
@@ -205,11 +206,13 @@ class BudgetMixin:
             need = self.index.total_bytes - target_bytes
         return self.evict(need, dry_run=dry_run)
 
-    def remove_namespace(self, ns: str) -> int:
+    def remove_namespace(self, ns: str, *, wait: bool = True) -> int:
         """Remove a whole namespace; returns the files removed. The directory is renamed
         away under the lock, so concurrent readers of it only miss and no save lands in
         it; its files are deleted after the lock is released (100k files take minutes,
-        and every other replica's saves would wait for the lock, then skip)."""
+        and every other replica's saves would wait for the lock, then skip). ``wait``
+        False: by a thread of their own (``reset_cache`` runs in the engine's step); a
+        process that dies first leaves a ``.trash-*`` that the next scan deletes."""
         with self.dir_lock(), self._mutex:
             trash = f"{TRASH_PREFIX}{ns}-{os.getpid()}-{int(self.clock() * 1000)}"
             try:
@@ -218,7 +221,7 @@ class BudgetMixin:
                 return 0
             self._renamed()
             self._namespace(ns)  # forget its descriptor and entries
-        return self._delete_tree(trash)
+        return self._delete_tree(trash, wait=wait)
 
     def clear_trash(self) -> int:
         """Delete namespaces renamed away whose deletion never finished (the remover was
@@ -236,10 +239,9 @@ class BudgetMixin:
             return 0
         return sum(self._delete_tree(name) for name in names)
 
-    def _delete_tree(self, name: str) -> int:
-        """Delete a namespace renamed away, whatever is inside; the checkpoints removed.
-        ``shutil.rmtree`` with ``dir_fd`` walks by descriptors and unlinks a symlink
-        without following it, and unlinking never opens (FIFOs and devices go too)."""
+    def _delete_tree(self, name: str, *, wait: bool = True) -> int:
+        """Delete a namespace renamed away, whatever is inside; the checkpoints removed
+        (``wait`` False: counted now, deleted by a thread)."""
         try:
             fd = fsdir.open_dir(name, self._root_fd)
         except OSError:
@@ -251,8 +253,27 @@ class BudgetMixin:
             removed = 0
         finally:
             os.close(fd)
-        shutil.rmtree(name, ignore_errors=True, dir_fd=self._root_fd)
+        # Its own descriptor of the root: the store may be closed (and the number reused)
+        # while a thread still deletes.
+        root_fd = os.dup(self._root_fd)
+        if wait:
+            _rmtree(root_fd, name)
+            return removed
+        thread = threading.Thread(target=_rmtree, args=(root_fd, name), name="kvdisk-rm",
+                                  daemon=True)
+        thread.start()
+        with self._mutex:
+            self.removing = [t for t in self.removing if t.is_alive()] + [thread]
         return removed
+
+
+def _rmtree(root_fd: int, name: str) -> None:
+    """``shutil.rmtree`` with ``dir_fd`` walks by descriptors and unlinks a symlink without
+    following it; unlinking never opens (FIFOs and devices go too). Closes ``root_fd``."""
+    try:
+        shutil.rmtree(name, ignore_errors=True, dir_fd=root_fd)
+    finally:
+        os.close(root_fd)
 
 
 def _on_disk(dir_fd: int, name: str) -> bool:

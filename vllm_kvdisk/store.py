@@ -142,6 +142,7 @@ class Store(ScanMixin, BudgetMixin):
         # The lock file's change count at which this index was last whole (see _renamed;
         # -1: whole, while the count was unknown; None: not known to be whole).
         self._gen_seen: int | None = None
+        self.removing: list[threading.Thread] = []  # namespaces being deleted (rm, reset)
         self._ns: dict[str, _Namespace] = {}
         self._ids: OrderedDict[tuple[str, str, int, int], np.ndarray] = OrderedDict()
         self._ids_bytes = 0
