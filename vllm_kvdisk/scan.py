@@ -4,8 +4,9 @@ index from the directory (mixed into it; it uses the store's namespaces and mute
 * A scan reads only each file's first bytes (header, sections table, stored-id digests);
   payloads are never touched. A refresh is one stat of a namespace directory when nothing
   changed, else a re-listing: files another process added are indexed, files it deleted
-  or replaced are forgotten or re-indexed. A file is known by (inode, size, mtime): an
-  inode alone is reused at once by the next file. An mtime read within a timestamp
+  or replaced are forgotten or re-indexed. A file is known by its inode, and a forced
+  refresh (every eviction decision) checks (inode, size, mtime): an inode alone is reused
+  at once by the next file, and a hit changes a header in place. An mtime read within a timestamp
   tick of the directory's last change is not trusted (the next refresh lists again): a
   change in that tick would not move it.
 * Only a file proven corrupt in this build's format version is quarantined. A file of
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from vllm_kvdisk import fsdir
 from vllm_kvdisk.fileread import Summary, read_summary
 from vllm_kvdisk.format import FormatError, UnsupportedFile
-from vllm_kvdisk.index import entry_of
+from vllm_kvdisk.index import Entry, entry_of
 from vllm_kvdisk.logs import get_logger
 
 if TYPE_CHECKING:
@@ -106,24 +107,25 @@ class ScanMixin:
         mtime = os.fstat(state.fd).st_mtime_ns
         if not force and mtime == state.mtime_ns:
             return False
-        listed: dict[str, tuple[int, int, int]] = {}  # sha1 -> its identity
+        listed: dict[str, int] = {}  # sha1 -> inode
         now = self.clock()
         with os.scandir(state.fd) as it:
             for de in it:
                 if KV_NAME.match(de.name):
                     if de.is_file(follow_symlinks=False):
-                        with contextlib.suppress(FileNotFoundError):
-                            listed[de.name[:40]] = identity(de.stat(follow_symlinks=False))
+                        listed[de.name[:40]] = de.inode()
                 elif de.name.startswith(fsdir.TMP_PREFIX) and not self.readonly:
                     if fsdir.writer_gone(state.fd, de.name, now):
                         with contextlib.suppress(OSError):
                             os.unlink(de.name, dir_fd=state.fd)
         for entry in self.index.namespace_entries(ns):
-            if listed.get(entry.sha1) != (entry.inode, entry.size, entry.mtime_ns):
-                # Deleted, replaced by another process (maybe on this file's freed inode),
-                # or its header changed in place (hits): read it again.
+            # Deleted or replaced by another process; when forced (every eviction decision
+            # and verify), also replaced on this file's freed inode, or its header changed
+            # in place (hits): a stat per file, 4 us each, so not at every lookup's refresh.
+            if listed.get(entry.sha1) != entry.inode or (force and not self._same_file(
+                    state.fd, entry)):
                 self.index.remove(ns, entry.sha1)
-        todo = [sha1 for sha1, (inode, _, _) in listed.items() if (ns, sha1) not in self.index
+        todo = [sha1 for sha1, inode in listed.items() if (ns, sha1) not in self.index
                 and state.skipped.get(sha1, (None,))[0] != inode]
         complete = True
         for sha1, found in self._read_files(state.fd, todo):
@@ -136,6 +138,14 @@ class ScanMixin:
         if not complete:
             self._gen_seen = None  # a file is missing from the index: list again
         return True
+
+    @staticmethod
+    def _same_file(dir_fd: int, entry: Entry) -> bool:
+        try:
+            st = os.stat(f"{entry.sha1}.kv", dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return identity(st) == (entry.inode, entry.size, entry.mtime_ns)
 
     @staticmethod
     def _read_one(dir_fd: int, sha1: str) -> tuple[Any, int]:

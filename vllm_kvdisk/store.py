@@ -24,7 +24,7 @@ Invariants:
 * Nothing is followed through a symlink, and nothing that is not a regular file is
   opened blocking or read (see ``fsdir``); an entry remembers its file's (inode, size,
   mtime), so a file replaced by another process is re-indexed, never mistaken for corrupt,
-  even on the inode its predecessor freed.
+  even on the inode its predecessor freed (seen by a forced refresh, before evictions).
 * A file is quarantined only while the descriptor it was proven corrupt through is open,
   and only if its name still is that file, checked and renamed under ``ROOT/.lock`` (the
   lock every writer renames under): a sound replacement is never the one moved.
