@@ -4,11 +4,12 @@ removes checkpoint files (mixed into it; it uses the store's index, namespaces a
 * A file is written to a locked temp file and fsynced outside the lock; then, under the
   cross-process lock (waited on at most ``lock_timeout_s``): the view of every namespace
   is refreshed (not at all when the lock file's change count is where this store's own
-  last change left it: see ``Store._renamed``), the parent must still be on disk, room is made if the budget or the
-  free-space watermark needs it (leaves only, never the new file's ancestors, never the
-  ``protect``ed keys), and the file is renamed into place. A save that cannot fit evicts
-  nothing and raises :class:`SaveSkipped`; so does one whose name is on disk already
-  (``exists``: one text rendered from other token ids): a file is never renamed over.
+  last change left it: see ``Store._renamed``), the parent must still be on disk, room
+  is made if the budget or the free-space watermark needs it (leaves only, never the new
+  file's ancestors, never the ``protect``ed keys), and the file is renamed into place.
+  A save that cannot fit evicts nothing and raises :class:`SaveSkipped`; so does one
+  whose name is on disk already (``exists``: one text rendered from other token ids):
+  a file is never renamed over.
 * ENOSPC while writing the temp file (the volume is fuller than the budget knows) makes
   room once and writes again.
 * Evictions and ``kvdisk gc`` decide from a fresh listing under the same lock; a whole

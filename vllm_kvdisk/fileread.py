@@ -106,9 +106,9 @@ def _read_span(fd: int, first: bytes, offset: int, size: int) -> bytes:
 
 def read_summary(fd: int, file_size: int) -> Summary:
     """Header, parent, token digest and the first owned block's ids, checked for
-    consistency, in one to three small reads (never the other token ids); the full parse and every checksum happen when the
-    file is loaded. Raises FormatError like ``read_meta``. (The hot loop of a start-up
-    scan: kept free of helpers.)"""
+    consistency, in one to three small reads (never the other token ids); the full parse
+    and every checksum happen when the file is loaded. Raises FormatError like
+    ``read_meta``. (The hot loop of a start-up scan: kept free of helpers.)"""
     header, text_len, buf = _read_opening(fd, file_size)
     payload_at = HEADER.size + TEXT_LEN.size + text_len
     base = 0

@@ -15,9 +15,10 @@ Invariants:
   and never over a file of that name (same text, maybe other ids: the save is skipped).
 * Budget and free-space decisions are made under the lock from the directory as it is
   (a re-listing, unless the lock file's change count shows no name changed since this
-  store's last whole view; evictions always re-list), counting every process's files, so N replicas keep one budget; a new
-  file and its ancestors are never leaves of its own eviction plan; a save that cannot
-  fit (an unreachable watermark) is skipped and evicts nothing.
+  store's last whole view; evictions always re-list), counting every process's files,
+  so N replicas keep one budget; a new file and its ancestors are never leaves of its
+  own eviction plan; a save that cannot fit (an unreachable watermark) is skipped and
+  evicts nothing.
 * Only a file proven corrupt in this build's format version is quarantined. A file of
   another version is left alone; one that cannot be read right now (EIO, ESTALE, EMFILE)
   is skipped and tried again at the next refresh.
