@@ -269,3 +269,32 @@ def test_summary_of_a_delta_whose_first_block_is_past_the_first_page(tmp_path):
         assert read_summary(fd, len(raw)) == summary_of(enc)
     finally:
         os.close(fd)
+
+
+def test_summary_of_a_long_root_reads_its_first_block_not_every_id(tmp_path, monkeypatch):
+    """The index needs the first owned block's ids (the head); a scan of a 131k-token
+    root past the first page used to read all 512 KiB of its ids."""
+    from vllm_kvdisk.fileread import read_summary, summary_of
+
+    layout = PageLayout("cpu:LBHNC", 16, 1, (1, 16, 1), "float32")
+    ids = np.arange(131072, dtype="<u4")
+    payload = Payload(bytes(32), None, 0, 0, 131072 // 16, layout, 99)
+    enc = encode_checkpoint(text=b"x" * 5000, tokens=ids.tobytes(),
+                            layers=[bytes(64 * (131072 // 16))], payload=payload,
+                            reason=Reason.EVICT, kv_dtype="float32", context_size=1, now=0)
+    raw = b"".join(bytes(b) for b in enc.buffers)
+    fd = write(tmp_path, raw)
+    asked = []
+    real = os.pread
+
+    def pread(fd_, size, offset):
+        asked.append(size)
+        return real(fd_, size, offset)
+
+    monkeypatch.setattr(os, "pread", pread)
+    try:
+        assert read_summary(fd, len(raw)) == summary_of(enc)
+    finally:
+        monkeypatch.undo()
+        os.close(fd)
+    assert sum(asked) <= 4096 + 16384, asked

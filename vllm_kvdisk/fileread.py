@@ -107,19 +107,19 @@ def _read_span(fd: int, first: bytes, offset: int, size: int) -> bytes:
 
 def read_summary(fd: int, file_size: int) -> Summary:
     """Header, parent, token digest and the first owned block's ids, checked for
-    consistency, in one or two reads; the full parse and every checksum happen when the
-    file is loaded. Raises FormatError like ``read_meta``. (The hot loop of a start-up
-    scan: kept free of helpers.)"""
+    consistency, in one to three small reads (never the other token ids); the full parse
+    and every checksum happen when the file is loaded. Raises FormatError like
+    ``read_meta``. (The hot loop of a start-up scan: kept free of helpers.)"""
     header, text_len, buf = _read_opening(fd, file_size)
     payload_at = HEADER.size + TEXT_LEN.size + text_len
     base = 0
     if header.payload_bytes < PAYLOAD_FIXED.size:
         raise FormatError(f"payload of {header.payload_bytes} bytes < its fixed header")
     if payload_at + PAYLOAD_FIXED.size > len(buf):
-        # The payload header, the checksum table and the token ids follow each other: one
-        # read of that span holds what the first page did not.
-        span = min(header.payload_bytes,
-                   PAYLOAD_FIXED.size + CHECKSUM.size * (MAX_LAYERS + 1) + 4 * header.tokens)
+        # The payload header and the checksum table follow each other: one read of that
+        # span (bounded by MAX_LAYERS) holds what the first page did not. Not the token
+        # ids: only the first owned block's are needed (512 KiB for 131k tokens, 64 B).
+        span = min(header.payload_bytes, PAYLOAD_FIXED.size + CHECKSUM.size * (MAX_LAYERS + 1))
         buf, base = _pread_exact(fd, span, payload_at), payload_at
     magic, version, fixed_len, _, parent, parent_tokens, block_size = _SUMMARY.unpack_from(
         buf, payload_at - base)
@@ -136,10 +136,10 @@ def read_summary(fd: int, file_size: int) -> Summary:
         raise FormatError("parent, block or layer fields inconsistent")
     (digest,) = _U64.unpack_from(buf, payload_at - base + _DIGEST_AT)
     ids_at = payload_at + PAYLOAD_FIXED.size + CHECKSUM.size * (layers + 1)
+    if ids_at + 4 * (parent_tokens + block_size) > payload_at + header.payload_bytes:
+        raise FormatError("token ids extend past the payload")
     head_at = ids_at + 4 * parent_tokens - base
-    if head_at + 4 * block_size > len(buf):
-        if base:
-            raise FormatError("token ids extend past the payload")
+    if head_at < 0 or head_at + 4 * block_size > len(buf):
         buf = _pread_exact(fd, 4 * block_size, ids_at + 4 * parent_tokens)
         head_at = 0
     head = xxhash.xxh3_64_intdigest(buf[head_at:head_at + 4 * block_size])

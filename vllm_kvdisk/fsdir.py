@@ -173,8 +173,8 @@ class TempFile:
         os.ftruncate(self.fd, 0)
         os.lseek(self.fd, 0, os.SEEK_SET)
 
-    def inode(self) -> int:
-        return os.fstat(self.fd).st_ino
+    def stat(self) -> os.stat_result:
+        return os.fstat(self.fd)
 
     def commit(self) -> None:
         os.replace(self.name, self.final, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
@@ -226,10 +226,11 @@ def writer_gone(dir_fd: int, name: str, now: float | None = None) -> bool:
 
 
 @contextlib.contextmanager
-def locked(dir_fd: int, timeout_s: float, name: str = ".lock") -> Iterator[None]:
+def locked(dir_fd: int, timeout_s: float, name: str = ".lock") -> Iterator[int]:
     """Hold the exclusive cross-process lock file ``name`` of ``dir_fd``, waiting at most
     ``timeout_s``; LockTimeout otherwise. Each call opens its own descriptor, so threads
-    of one process exclude each other too."""
+    of one process exclude each other too. Yields that descriptor: the lock file's bytes
+    are the holder's to read and write."""
     fd = open_regular(name, dir_fd, flags=os.O_RDWR | os.O_CREAT)
     try:
         deadline = time.monotonic() + timeout_s
@@ -244,6 +245,6 @@ def locked(dir_fd: int, timeout_s: float, name: str = ".lock") -> Iterator[None]
                                       f"cache lock not taken within {timeout_s:g} s") from None
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
-        yield
+        yield fd
     finally:
         os.close(fd)

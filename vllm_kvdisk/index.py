@@ -61,7 +61,8 @@ class Entry:
     token_digest: int  # xxh3-64 of the u32 LE ids [0, tokens)
     head: int  # xxh3-64 of the u32 LE ids of the first owned block
     ids_at: int = 0  # file offset of the stored token ids
-    inode: int = 0  # identity of the file on disk (a replaced file has a new inode)
+    inode: int = 0  # identity of the file on disk, with its size and mtime_ns: a freed
+    mtime_ns: int = 0  # inode is reused at once (ext4), so the inode alone is not enough
     pending: bool = False  # a save in flight: no file yet
     used_ns: int = 0  # last use (or the file's mtime) in ns: orders equal scores
     ids: np.ndarray | None = field(default=None, repr=False)  # pending saves: their ids
@@ -72,13 +73,13 @@ class Entry:
 
 
 def entry_of(ns: str, sha1: str, summary: Summary, size: int, inode: int,
-             used_ns: int = 0) -> Entry:
+             used_ns: int = 0, mtime_ns: int = 0) -> Entry:
     """The index entry of a file, from what a scan reads or a writer just encoded
     (``used_ns``: the file's mtime, or the time of the write)."""
     h = summary.header
     return Entry(ns, sha1, h.tokens, summary.parent_sha1, summary.parent_tokens, h.reason,
                  h.hits, h.created, h.last_used, size, summary.token_digest, summary.head,
-                 summary.ids_at, inode, used_ns=used_ns)
+                 summary.ids_at, inode, mtime_ns, used_ns=used_ns)
 
 
 def head_digest(ids: np.ndarray, start: int, block_size: int) -> int:

@@ -4,7 +4,9 @@ index from the directory (mixed into it; it uses the store's namespaces and mute
 * A scan reads only each file's first bytes (header, sections table, stored-id digests);
   payloads are never touched. A refresh is one stat of a namespace directory when nothing
   changed, else a re-listing: files another process added are indexed, files it deleted
-  or replaced (a new inode) are forgotten or re-indexed. An mtime read within a timestamp
+  or replaced are forgotten or re-indexed. A file is known by its inode, and a forced
+  refresh (every eviction decision) checks (inode, size, mtime): an inode alone is reused
+  at once by the next file, and a hit changes a header in place. An mtime read within a timestamp
   tick of the directory's last change is not trusted (the next refresh lists again): a
   change in that tick would not move it.
 * Only a file proven corrupt in this build's format version is quarantined. A file of
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from vllm_kvdisk import fsdir
 from vllm_kvdisk.fileread import Summary, read_summary
 from vllm_kvdisk.format import FormatError, UnsupportedFile
-from vllm_kvdisk.index import entry_of
+from vllm_kvdisk.index import Entry, entry_of
 from vllm_kvdisk.logs import get_logger
 
 if TYPE_CHECKING:
@@ -50,12 +52,23 @@ def racy(mtime_ns: int, looked_ns: int) -> bool:
     return looked_ns - mtime_ns < tick
 
 
+def identity(st: os.stat_result) -> tuple[int, int, int]:
+    """What tells one file from another under one name: its inode alone does not, since a
+    freed inode is handed to the next file at once (ext4); a new file there has another
+    size or mtime, and a header changed in place (hits) has another mtime."""
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class ScanMixin:
     # -- scanning ---------------------------------------------------------------------
     def scan(self) -> None:
-        """Rebuild the index from the file headers on disk (payloads untouched)."""
+        """Rebuild the index from the file headers on disk (payloads untouched), after
+        deleting what killed removers left (``clear_trash``, outside the mutex: it may
+        take long)."""
+        self.clear_trash()
         with self._mutex:
             self.index.clear()
+            self._gen_seen = None
             for state in self._ns.values():
                 state.mtime_ns, state.skipped = -1, {}
             self.rejected.clear()
@@ -69,6 +82,7 @@ class ScanMixin:
             try:
                 return self._refresh(ns, force)
             except OSError as exc:
+                self._gen_seen = None
                 log.warning("kvdisk: could not refresh %s/%s: %s", self.root, ns, exc)
                 return False
 
@@ -81,6 +95,7 @@ class ScanMixin:
             try:
                 self._refresh(ns, force)
             except OSError as exc:
+                self._gen_seen = None
                 log.warning("kvdisk: could not refresh %s/%s: %s", self.root, ns, exc)
 
     def _refresh(self, ns: str, force: bool) -> bool:
@@ -92,7 +107,7 @@ class ScanMixin:
         mtime = os.fstat(state.fd).st_mtime_ns
         if not force and mtime == state.mtime_ns:
             return False
-        listed: dict[str, int] = {}
+        listed: dict[str, int] = {}  # sha1 -> inode
         now = self.clock()
         with os.scandir(state.fd) as it:
             for de in it:
@@ -104,8 +119,12 @@ class ScanMixin:
                         with contextlib.suppress(OSError):
                             os.unlink(de.name, dir_fd=state.fd)
         for entry in self.index.namespace_entries(ns):
-            if listed.get(entry.sha1) != entry.inode:
-                self.index.remove(ns, entry.sha1)  # deleted or replaced by another process
+            # Deleted or replaced by another process; when forced (every eviction decision
+            # and verify), also replaced on this file's freed inode, or its header changed
+            # in place (hits): a stat per file, 4 us each, so not at every lookup's refresh.
+            if listed.get(entry.sha1) != entry.inode or (force and not self._same_file(
+                    state.fd, entry)):
+                self.index.remove(ns, entry.sha1)
         todo = [sha1 for sha1, inode in listed.items() if (ns, sha1) not in self.index
                 and state.skipped.get(sha1, (None,))[0] != inode]
         complete = True
@@ -116,7 +135,17 @@ class ScanMixin:
         # A file we could not read right now keeps the directory "changed", so the next
         # refresh tries it again; so does an mtime too recent to be trusted.
         state.mtime_ns = mtime if complete and not racy(mtime, looked_ns) else -1
+        if not complete:
+            self._gen_seen = None  # a file is missing from the index: list again
         return True
+
+    @staticmethod
+    def _same_file(dir_fd: int, entry: Entry) -> bool:
+        try:
+            st = os.stat(f"{entry.sha1}.kv", dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return identity(st) == (entry.inode, entry.size, entry.mtime_ns)
 
     @staticmethod
     def _read_one(dir_fd: int, sha1: str) -> tuple[Any, int]:
@@ -179,7 +208,7 @@ class ScanMixin:
         if isinstance(found, OSError):
             return self._unreadable(ns, sha1, found)
         summary, size, inode, mtime_ns = found
-        self.index.add(entry_of(ns, sha1, summary, size, inode, mtime_ns))
+        self.index.add(entry_of(ns, sha1, summary, size, inode, mtime_ns, mtime_ns))
         return True
 
     def _unreadable(self, ns: str, sha1: str, exc: OSError) -> bool:

@@ -362,7 +362,8 @@ class SchedulerSide:
     @guarded("reset_cache", lambda: False)
     def reset_cache(self) -> bool:
         """Remove this model's checkpoints (every LoRA, salt and TP rank of it) from disk.
-        Each namespace directory is renamed away first, so concurrent readers only miss."""
+        Each namespace directory is renamed away first, so concurrent readers only miss;
+        its files are deleted by a thread, after the step."""
         mine = {k: v for k, v in self.base_fp.describe().items()
                 if k not in ("lora", "salt_digest", "tp_rank", "pp_rank", "layers")}
         removed = spaces = 0
@@ -370,7 +371,7 @@ class SchedulerSide:
             info = self.store.namespace_info(ns)
             if info is None or any(info.get(k) != v for k, v in mine.items()):
                 continue
-            removed += self.store.remove_namespace(ns)
+            removed += self.store.remove_namespace(ns, wait=False)  # in the engine's step
             spaces += 1
             self.events.removed_namespace(ns)
         for st in self._reqs.values():

@@ -11,17 +11,21 @@ Layout of ``root`` (0700 directories, 0600 files)::
 Invariants:
 * A ``.kv`` name appears only after its bytes are written and fsynced, and only while its
   parent is on disk: the rename happens under the lock after the parent was seen (a
-  refresh never trusts an mtime read within a timestamp tick of the change: ``scan.racy``).
+  refresh never trusts an mtime read within a timestamp tick of the change: ``scan.racy``),
+  and never over a file of that name (same text, maybe other ids: the save is skipped).
 * Budget and free-space decisions are made under the lock from the directory as it is
-  (a re-listing), counting every process's files, so N replicas keep one budget; a new
-  file and its ancestors are never leaves of its own eviction plan; a save that cannot
-  fit (an unreachable watermark) is skipped and evicts nothing.
+  (a re-listing, unless the lock file's change count shows no name changed since this
+  store's last whole view; evictions always re-list), counting every process's files,
+  so N replicas keep one budget; a new file and its ancestors are never leaves of its
+  own eviction plan; a save that cannot fit (an unreachable watermark) is skipped and
+  evicts nothing.
 * Only a file proven corrupt in this build's format version is quarantined. A file of
   another version is left alone; one that cannot be read right now (EIO, ESTALE, EMFILE)
   is skipped and tried again at the next refresh.
 * Nothing is followed through a symlink, and nothing that is not a regular file is
-  opened blocking or read (see ``fsdir``); an entry remembers its file's inode, so a file
-  replaced by another process is re-indexed, never mistaken for corrupt.
+  opened blocking or read (see ``fsdir``); an entry remembers its file's (inode, size,
+  mtime), so a file replaced by another process is re-indexed, never mistaken for corrupt,
+  even on the inode its predecessor freed (seen by a forced refresh, before evictions).
 * A file is quarantined only while the descriptor it was proven corrupt through is open,
   and only if its name still is that file, checked and renamed under ``ROOT/.lock`` (the
   lock every writer renames under): a sound replacement is never the one moved.
@@ -35,10 +39,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import math
 import os
 import re
+import secrets
 import threading
 import time
 from collections import OrderedDict, deque
@@ -56,7 +62,7 @@ from vllm_kvdisk.index import Entry, Index
 from vllm_kvdisk.keys import Fingerprint, rank_group
 from vllm_kvdisk.logs import get_logger
 from vllm_kvdisk.quarantine import Quarantine
-from vllm_kvdisk.scan import ScanMixin
+from vllm_kvdisk.scan import ScanMixin, identity
 
 log = get_logger(__name__)
 
@@ -133,9 +139,13 @@ class Store(ScanMixin, BudgetMixin):
         # Guards the index and the descriptors: I/O threads of one process write, evict and
         # quarantine at once. Never held while waiting for the cross-process lock.
         self._mutex = threading.RLock()
-        self._held = threading.local()  # depth of ROOT/.lock held by this thread
+        self._held = threading.local()  # depth of ROOT/.lock held by this thread, its fd
+        # The lock file's change count at which this index was last whole (see _renamed;
+        # -1: whole, while the count was unknown; None: not known to be whole).
+        self._gen_seen: int | None = None
+        self.removing: list[threading.Thread] = []  # namespaces being deleted (rm, reset)
         self._ns: dict[str, _Namespace] = {}
-        self._ids: OrderedDict[tuple[str, str, int], np.ndarray] = OrderedDict()
+        self._ids: OrderedDict[tuple[str, str, int, int], np.ndarray] = OrderedDict()
         self._ids_bytes = 0
         self._root_fd = -1
         self._quarantined = Quarantine(-1, self.quarantine_max_bytes, clock)
@@ -200,6 +210,7 @@ class Store(ScanMixin, BudgetMixin):
         return state
 
     def _forget_namespace(self, ns: str) -> None:
+        self._gen_seen = None  # a listing must find its files again
         for entry in self.index.namespace_entries(ns):
             self.index.remove(ns, entry.sha1)
 
@@ -301,7 +312,7 @@ class Store(ScanMixin, BudgetMixin):
 
     def read_ids(self, entry: Entry, start: int, stop: int) -> np.ndarray | None:
         """Stored token ids ``[start, stop)`` of a file (cached), None if unreadable."""
-        key = (entry.ns, entry.sha1, entry.inode)
+        key = (entry.ns, entry.sha1, entry.inode, entry.size)  # ids never change in place
         with self._mutex:
             ids = self._ids.get(key)
             if ids is not None:
@@ -310,8 +321,9 @@ class Store(ScanMixin, BudgetMixin):
         try:
             fd = self.open_file(entry.ns, entry.sha1)
             try:
-                if os.fstat(fd).st_ino != entry.inode:
-                    return None
+                st = os.fstat(fd)
+                if (st.st_ino, st.st_size) != (entry.inode, entry.size):
+                    return None  # another file now (a freed inode is reused at once)
                 ids = np.frombuffer(read_token_range(fd, entry.ids_at, 0, entry.tokens),
                                     dtype="<u4")
             finally:
@@ -336,20 +348,36 @@ class Store(ScanMixin, BudgetMixin):
         except OSError:
             return
         try:
-            if entry is not None and os.fstat(fd).st_ino != entry.inode:
+            # The count is read, then written: replicas hitting one file at once must not
+            # interleave (both read 0, both write 1). The file's own lock, held for two
+            # small writes, not ROOT/.lock, which a save holds through its evictions. A
+            # file system without flock still counts the hit (maybe losing a concurrent one).
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            st = os.fstat(fd)
+            if entry is not None and (st.st_ino, st.st_size) != (entry.inode, entry.size):
                 return  # replaced by another process: its statistics are its own
-            hits = int.from_bytes(os.pread(fd, 4, HEADER_FIELD_HITS), "little")
-            os.pwrite(fd, min(hits + 1, 0xFFFFFFFF).to_bytes(4, "little"), HEADER_FIELD_HITS)
+            hits = min(int.from_bytes(os.pread(fd, 4, HEADER_FIELD_HITS), "little") + 1,
+                       0xFFFFFFFF)
+            os.pwrite(fd, hits.to_bytes(4, "little"), HEADER_FIELD_HITS)
             os.pwrite(fd, now.to_bytes(8, "little"), HEADER_FIELD_LAST_USED)
+            # A new mtime, whatever the timestamp tick, tells other replicas' refreshes
+            # that the header changed (identity): they read the hits again before they
+            # rank this file for eviction.
+            mtime_ns = max(time.time_ns(), st.st_mtime_ns + 1)
+            os.utime(fd, ns=(st.st_atime_ns, mtime_ns))
         except OSError as exc:
             log.warning("kvdisk: could not update hit count of %s: %s", sha1, exc)
+            return
         finally:
             os.close(fd)
         if entry is not None:
             with self._mutex:
-                entry.hits += 1
+                entry.hits = hits  # other replicas' hits too, read under the file's lock
                 entry.last_used = now
                 entry.used_ns = int(now_s * 1e9)
+                if entry.mtime_ns == st.st_mtime_ns:  # else a refresh reads it again
+                    entry.mtime_ns = mtime_ns
 
     # -- the directory lock -----------------------------------------------------------
     @contextlib.contextmanager
@@ -366,12 +394,59 @@ class Store(ScanMixin, BudgetMixin):
                 self._held.depth = depth
             return
         with fsdir.locked(self._root_fd,
-                          self.lock_timeout_s if timeout_s is None else timeout_s):
-            self._held.depth = 1
+                          self.lock_timeout_s if timeout_s is None else timeout_s) as fd:
+            self._held.depth, self._held.fd = 1, fd
             try:
                 yield
             finally:
-                self._held.depth = 0
+                self._held.depth, self._held.fd = 0, -1
+
+    # Checkpoint names change only under ROOT/.lock (a save's rename, an eviction, gc, a
+    # quarantine, verify --fix, rm), and each change adds one to the u64 LE count in the
+    # first 8 bytes of the lock file. A store whose index was whole at count N and sees N
+    # again under the lock knows nothing was renamed or deleted since: its own temp file
+    # moved the directory's mtime, nothing else did, and it does not list it again.
+    def _lock_file_ours(self) -> bool:
+        """Whether the lock file may be read and written: not through a name with other
+        hard links (someone else's file linked as ``.lock`` would get our bytes)."""
+        try:
+            return os.fstat(self._held.fd).st_nlink == 1
+        except OSError:
+            return False
+
+    def _generation(self) -> int | None:
+        """The lock file's count (None: unknown: never written, or not ours to trust);
+        under the lock."""
+        if not self._lock_file_ours():
+            return None
+        try:
+            raw = os.pread(self._held.fd, 8, 0)
+        except OSError:
+            return None
+        return int.from_bytes(raw, "little") if len(raw) == 8 else None
+
+    def _renamed(self) -> None:
+        """Under the lock, after this store renamed or deleted checkpoint names and told
+        its own index: count the change for the other stores."""
+        if not self._lock_file_ours():
+            self._gen_seen = None  # unknown to every store: each lists at every save
+            return
+        gen = self._generation()
+        # An unknown count starts again at a random value, never at one a store may have
+        # seen before it was lost (truncated below).
+        new = secrets.randbits(64) if gen is None else gen + 1 & (1 << 64) - 1
+        try:
+            os.pwrite(self._held.fd, new.to_bytes(8, "little"), 0)
+        except OSError as exc:
+            # A count that did not move would hide the change: make it unknown, so every
+            # store lists again until a later change writes it (truncating needs no space).
+            log.warning("kvdisk: cannot count a change in %s/.lock: %s", self.root, exc)
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._held.fd, 0)
+            self._gen_seen = None
+            return
+        whole = self._gen_seen is not None and self._gen_seen == (-1 if gen is None else gen)
+        self._gen_seen = new if whole else None
 
     # -- quarantine -------------------------------------------------------------------
     def quarantine(self, ns: str, sha1: str, why: str, *, inode: int | None = None,
@@ -412,6 +487,8 @@ class Store(ScanMixin, BudgetMixin):
         try:
             with self.dir_lock(None if wait else 0.0):
                 moved = self._quarantined.move(state.fd, ns, sha1, why, inode, dev)
+                if moved:
+                    self._renamed()
         except fsdir.LockTimeout:
             return None
         if moved:
@@ -452,13 +529,40 @@ class Store(ScanMixin, BudgetMixin):
         it again)."""
         with self._mutex:
             self.index.remove(ns, sha1)
+            self._gen_seen = None
+
+    def orphans(self, *, remove: bool = False) -> list[Entry]:
+        """Files whose chain is broken, from the directory as it is now (a forced refresh):
+        never from an older view, in which a parent another replica saved since was still
+        missing. ``remove``: delete them, under the lock (no name changes meanwhile), each
+        only if its name still is the file that was judged."""
+        if not remove or self.readonly:
+            with self._mutex:
+                self._refresh_all(force=True)
+                return self.index.orphans()
+        with self.dir_lock(), self._mutex:
+            self._refresh_all(force=True)
+            found = self.index.orphans()
+            for entry in found:
+                self.index.remove(entry.ns, entry.sha1)
+                state = self._namespace(entry.ns)
+                if state is None:
+                    continue
+                name = f"{entry.sha1}.kv"
+                with contextlib.suppress(FileNotFoundError):
+                    st = os.stat(name, dir_fd=state.fd, follow_symlinks=False)
+                    if identity(st) == (entry.inode, entry.size, entry.mtime_ns):
+                        os.unlink(name, dir_fd=state.fd)
+                        self._renamed()
+            return found
 
     def remove_file(self, ns: str, sha1: str) -> None:
-        """Delete one checkpoint (an orphan nothing can load)."""
-        with self._mutex:
+        """Delete one checkpoint, under the lock like every change of a name."""
+        with self.dir_lock(), self._mutex:
             self.index.remove(ns, sha1)
             state = self._namespace(ns)
             if state is not None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(f"{sha1}.kv", dir_fd=state.fd)
+                    self._renamed()
 

@@ -2,7 +2,9 @@
 
 Finds: files that do not parse or whose checksums fail (bad), files whose name is not the
 SHA1 of their text (misnamed), chains whose parent is missing or inconsistent (orphans),
-and temp files whose writer is gone. With ``fix`` the bad and misnamed files go to the
+and temp files whose writer is gone; a file deleted since the scan (another replica's
+eviction) is no problem. Orphans are judged after the checksum pass, from a fresh listing
+(under the lock when fixing). With ``fix`` the bad and misnamed files go to the
 quarantine, orphans are deleted (nothing can ever load them) and abandoned temp files
 removed; a live writer's temp file is reported, never touched. Files of another format
 version are listed, never changed. Memory stays bounded whatever a file claims (a
@@ -19,6 +21,7 @@ from typing import Callable
 
 from vllm_kvdisk.fileread import check_layers, read_meta, read_tokens, read_tool_map, text_sha1
 from vllm_kvdisk.format import FormatError
+from vllm_kvdisk.fsdir import LockTimeout
 from vllm_kvdisk.index import Entry
 from vllm_kvdisk.store import Store
 
@@ -27,7 +30,7 @@ from vllm_kvdisk.store import Store
 class Problem:
     ns: str
     sha1: str
-    kind: str  # bad | misnamed | orphan | tmp | unsupported
+    kind: str  # bad | misnamed | orphan | tmp | unsupported | unreadable
     detail: str
 
 
@@ -52,6 +55,8 @@ def check_file(store: Store, ns: str, sha1: str,
     (``stat``: of that descriptor), so a quarantine moves exactly the file read."""
     try:
         fd = store.open_file(ns, sha1)
+    except FileNotFoundError as exc:  # evicted since the scan: no fault of the cache
+        return "gone", str(exc)
     except OSError as exc:
         return "unreadable", str(exc)
     try:
@@ -109,20 +114,22 @@ def verify(store: Store, *, jobs: int = 1,
             report.bytes_checked += entry.size
             if progress is not None:
                 progress(done, total)
-            if found is None:
+            if found is None or found[0] == "gone":
                 continue
             kind, why = found
             report.problems.append(Problem(entry.ns, entry.sha1, kind, why))
             report.fixed += moved
-    for entry in store.index.orphans():
+    # Judged from the directory as it is after the long pass (a parent may have been saved
+    # again meanwhile), and deleted in the same hold of the lock. Deleting an orphan can
+    # orphan nothing new: its children are orphans already.
+    try:
+        orphans, removed = store.orphans(remove=fix), fix
+    except LockTimeout:  # replicas busy: report them, a later --fix deletes them
+        orphans, removed = store.orphans(), False
+    for entry in orphans:
         report.problems.append(Problem(entry.ns, entry.sha1, "orphan",
                                        f"parent {entry.parent} missing or inconsistent"))
-    if fix:
-        # Deleting an orphan can orphan nothing new: its children are orphans already.
-        for problem in report.problems:
-            if problem.kind == "orphan" and store.index.get(problem.ns, problem.sha1):
-                store.remove_file(problem.ns, problem.sha1)
-                report.fixed += 1
+        report.fixed += removed
     for ns, name, abandoned in temps:
         if not abandoned:
             report.writing += 1
