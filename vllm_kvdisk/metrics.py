@@ -159,7 +159,8 @@ class KVDiskPromMetrics(KVConnectorPromMetrics):
         metric(c, "save_failures", "Checkpoint writes that failed (the prefix stays uncached).")
         metric(c, "saves_skipped", "Checkpoints not written for no fault: no_space (the budget "
                "or free-space watermark cannot be met), lock_timeout, parent_gone, "
-               "namespace_removed, busy (saves in flight hold the staging cap).", ("reason",))
+               "namespace_removed, exists (a file of that name is on disk), busy (saves in "
+               "flight hold the staging cap).", ("reason",))
         metric(c, "errors", "Exceptions a connector hook caught (the request was served "
                "without the cache).", ("hook",))
         metric(c, "bytes_written", "Bytes of checkpoint files written.")
