@@ -26,6 +26,18 @@ def prompt_of(ids) -> Prompt:
     return Prompt(byte_table(), ids)
 
 
+def make(tmp_path, **kw) -> tuple[Store, str]:
+    """A store under ``tmp_path/cache`` (1 GiB budget unless told) and FP's namespace."""
+    kw.setdefault("space_bytes", 1 << 30)
+    store = Store(str(tmp_path / "cache"), **kw)
+    return store, store.ensure_namespace(FP)
+
+
+def prompt(seed: int = 0, n: int = 400) -> Prompt:
+    """A prompt of ``n`` random byte tokens."""
+    return prompt_of(np.random.default_rng(seed).integers(0, 262, n))
+
+
 def planner(store: Store) -> Planner:
     return Planner(store.index, BLOCK, store.read_ids, 1)
 

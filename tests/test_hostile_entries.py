@@ -26,7 +26,7 @@ import pytest
 import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from synth import FP, LAYOUT, encode, planner, prompt_of, save
+from synth import FP, LAYOUT, encode, make, planner, prompt, save
 
 from vllm_kvdisk import fsdir
 from vllm_kvdisk.cli import main
@@ -48,16 +48,6 @@ from vllm_kvdisk.verify import verify
 
 HANG = pytest.mark.timeout(20)  # a blocking open of a FIFO never returns: fail, not stall
 KINDS = ["fifo", "socket", "device", "directory"]
-
-
-def make(tmp_path, **kw):
-    kw.setdefault("space_bytes", 1 << 30)
-    store = Store(str(tmp_path / "cache"), **kw)
-    return store, store.ensure_namespace(FP)
-
-
-def prompt(seed=0, n=400):
-    return prompt_of(np.random.default_rng(seed).integers(0, 262, n))
 
 
 def plant(path: str, kind: str) -> None:

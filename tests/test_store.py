@@ -9,23 +9,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from synth import BLOCK, FP, encode, planner, prompt_of, save
+from synth import BLOCK, FP, encode, make, planner, prompt, save
 
 from vllm_kvdisk.budget import SaveSkipped
 from vllm_kvdisk.fileread import read_layer_into
 from vllm_kvdisk.format import Reason
 from vllm_kvdisk.store import Store
 from vllm_kvdisk.verify import verify
-
-
-def make(tmp_path, **kw):
-    kw.setdefault("space_bytes", 1 << 30)
-    store = Store(str(tmp_path / "cache"), **kw)
-    return store, store.ensure_namespace(FP)
-
-
-def prompt(seed=0, n=400):
-    return prompt_of(np.random.default_rng(seed).integers(0, 262, n))
 
 
 def free_space(amount):
