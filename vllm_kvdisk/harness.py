@@ -186,10 +186,18 @@ class Server:
         the route needs VLLM_SERVER_DEV_MODE=1 in the server's environment."""
         import requests
 
-        r = requests.post(self.url + "/reset_prefix_cache",
-                          params={"reset_external": str(external).lower()}, timeout=60)
-        r.raise_for_status()
-        return r.json() if r.content else {}
+        # vLLM refuses the reset ({"success": false}) while blocks are still held: by
+        # running requests, or by finished ones whose pages are still being copied out
+        # (freed a step or two later). Its documented answer is to retry.
+        deadline = time.monotonic() + 60
+        while True:
+            r = requests.post(self.url + "/reset_prefix_cache",
+                              params={"reset_external": str(external).lower()}, timeout=60)
+            r.raise_for_status()
+            out = r.json() if r.content else {}
+            if out.get("success", True) or time.monotonic() > deadline:
+                return out
+            time.sleep(0.05)
 
     def metrics(self) -> dict[str, float]:
         """Prometheus samples (full name with labels -> value), model labels dropped."""
