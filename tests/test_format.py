@@ -211,6 +211,7 @@ def test_summary_reads_the_walk_key_in_at_most_two_reads(tmp_path, monkeypatch):
     """A start-up scan indexes a file from its first page, plus one read of the payload
     header, checksum table and token ids when the text is longer than a page."""
     from vllm_kvdisk import fileread as fmt
+    from vllm_kvdisk.format import summary_of
     from vllm_kvdisk.index import head_digest
 
     layout = PageLayout("cpu:LBHNC", 4, 2, (1, 4, 2), "float32")
@@ -229,7 +230,7 @@ def test_summary_reads_the_walk_key_in_at_most_two_reads(tmp_path, monkeypatch):
         monkeypatch.setattr(fmt.os, "pread", real)
         assert len(calls) == (1 if len(text) < 100 else 2)
         assert sm.head == head_digest(ids, 4, 4) == enc.head
-        assert sm == fmt.summary_of(enc)
+        assert sm == summary_of(enc)
         assert raw[sm.ids_at:sm.ids_at + 48] == ids.tobytes()
         os.close(fd)
 
@@ -255,7 +256,8 @@ def test_a_huge_or_sparse_tool_map_is_rejected_before_it_is_read(tmp_path, monke
 
 def test_summary_of_a_delta_whose_first_block_is_past_the_first_page(tmp_path):
     """A short text but a deep parent: the head is read on its own, the digest is kept."""
-    from vllm_kvdisk.fileread import read_summary, summary_of
+    from vllm_kvdisk.fileread import read_summary
+    from vllm_kvdisk.format import summary_of
 
     layout = PageLayout("cpu:LBHNC", 16, 1, (1, 16, 1), "float32")
     ids = np.arange(2048, dtype="<u4")  # ids of a 2048-token prefix: 8 KiB, past 4 KiB
@@ -274,7 +276,8 @@ def test_summary_of_a_delta_whose_first_block_is_past_the_first_page(tmp_path):
 def test_summary_of_a_long_root_reads_its_first_block_not_every_id(tmp_path, monkeypatch):
     """The index needs the first owned block's ids (the head); a scan of a 131k-token
     root past the first page used to read all 512 KiB of its ids."""
-    from vllm_kvdisk.fileread import read_summary, summary_of
+    from vllm_kvdisk.fileread import read_summary
+    from vllm_kvdisk.format import summary_of
 
     layout = PageLayout("cpu:LBHNC", 16, 1, (1, 16, 1), "float32")
     ids = np.arange(131072, dtype="<u4")

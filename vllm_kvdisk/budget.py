@@ -31,8 +31,7 @@ from typing import Iterable
 
 from vllm_kvdisk import fsdir
 from vllm_kvdisk.eviction import plan_eviction
-from vllm_kvdisk.fileread import summary_of
-from vllm_kvdisk.format import Encoded, FormatError
+from vllm_kvdisk.format import Encoded, FormatError, summary_of
 from vllm_kvdisk.index import Entry, Key, entry_of
 from vllm_kvdisk.logs import get_logger
 from vllm_kvdisk.scan import KV_NAME, identity

@@ -33,11 +33,11 @@ from vllm_kvdisk.format import (
     PAYLOAD_MAGIC,
     PAYLOAD_VERSION,
     TEXT_LEN,
-    Encoded,
     FormatError,
     Header,
     Offsets,
     Payload,
+    Summary,
     UnsupportedFile,
     compute_offsets,
     decode_tool_map,
@@ -54,18 +54,6 @@ class Meta:
     payload: Payload
     offsets: Offsets
     text_len: int
-
-
-@dataclass(frozen=True, slots=True)
-class Summary:
-    """What an index needs from a file, read from its first bytes only (start-up scans)."""
-
-    header: Header
-    parent_sha1: str | None
-    parent_tokens: int
-    token_digest: int
-    head: int  # xxh3-64 of the u32 LE ids of the first owned block
-    ids_at: int  # file offset of the token ids
 
 
 _SUMMARY = struct.Struct("<4sHH32s20sII")  # magic .. block size (prefix of PAYLOAD_FIXED)
@@ -145,13 +133,6 @@ def read_summary(fd: int, file_size: int) -> Summary:
     head = xxhash.xxh3_64_intdigest(buf[head_at:head_at + 4 * block_size])
     return Summary(header, parent.hex() if has_parent else None, parent_tokens, digest,
                    head, ids_at)
-
-
-def summary_of(encoded: Encoded) -> Summary:
-    """The summary of a checkpoint just encoded (what a scan would read back)."""
-    p = encoded.payload
-    return Summary(encoded.header, p.parent_sha1, p.parent_tokens, p.token_digest,
-                   encoded.head, encoded.offsets.tokens)
 
 
 def read_meta(fd: int, file_size: int) -> Meta:

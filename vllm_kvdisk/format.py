@@ -356,3 +356,22 @@ def encode_checkpoint(*, text: bytes, tokens: bytes, layers: Sequence[bytes | me
     first = payload.parent_tokens
     head = xxhash.xxh3_64_intdigest(tokens[4 * first:4 * (first + lay.block_size)])
     return Encoded(buffers, offsets.total, header, payload, offsets, head)
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """What an index needs from a file, read from its first bytes only (start-up scans)."""
+
+    header: Header
+    parent_sha1: str | None
+    parent_tokens: int
+    token_digest: int
+    head: int  # xxh3-64 of the u32 LE ids of the first owned block
+    ids_at: int  # file offset of the token ids
+
+
+def summary_of(encoded: Encoded) -> Summary:
+    """The summary of a checkpoint just encoded (what a scan would read back)."""
+    p = encoded.payload
+    return Summary(encoded.header, p.parent_sha1, p.parent_tokens, p.token_digest,
+                   encoded.head, encoded.offsets.tokens)

@@ -32,8 +32,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import numpy as np
 import xxhash
 
-from vllm_kvdisk.fileread import Summary
-from vllm_kvdisk.format import Reason
+from vllm_kvdisk.format import Reason, Summary
 
 # Candidate checks per lookup that did not extend the path by a whole file (a digest that
 # differs, a partial read of stored ids): bounds what hostile trees can cost. A whole

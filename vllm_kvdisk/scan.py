@@ -29,8 +29,8 @@ import time
 from typing import TYPE_CHECKING, Any, Iterator
 
 from vllm_kvdisk import fsdir
-from vllm_kvdisk.fileread import Summary, read_summary
-from vllm_kvdisk.format import FormatError, UnsupportedFile
+from vllm_kvdisk.fileread import read_summary
+from vllm_kvdisk.format import FormatError, Summary, UnsupportedFile
 from vllm_kvdisk.index import Entry, entry_of
 from vllm_kvdisk.logs import get_logger
 
