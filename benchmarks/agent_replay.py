@@ -46,7 +46,8 @@ from agent_report import render, write_outputs
 from agent_workload import Ideal, Workload
 from common import kv_bytes_per_token, model_shape
 
-from vllm_kvdisk import harness, trace
+from vllm_kvdisk.ops import trace
+from vllm_kvdisk.testing import harness
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -387,7 +388,7 @@ def run_config(name: str, model: str, wl: Workload, block: int, work: str, env: 
 def prepare_model(args) -> tuple[str, dict]:
     """The model to serve and what to say about it."""
     if args.model == "tiny":
-        from vllm_kvdisk.tinymodel import build_tiny_model
+        from vllm_kvdisk.testing.tinymodel import build_tiny_model
 
         shape = model_shape(args.hidden, args.layers)
         model_dir = os.path.join(tempfile.gettempdir(),

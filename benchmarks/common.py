@@ -1,20 +1,20 @@
 """Pieces the benchmark scripts share: the random model's shape and an engine to drive.
 
 Scripts import it as ``common`` (a script's own directory is on ``sys.path``). Engines and
-servers come from the shared harness (``vllm_kvdisk.harness``, the tests use it too);
+servers come from the shared harness (``vllm_kvdisk.testing.harness``, the tests use it too);
 vLLM is imported when one is built, so a script can set vLLM's environment first.
 """
 
 from __future__ import annotations
 
-from vllm_kvdisk.harness import close
-from vllm_kvdisk.harness import make_llm as _make_llm
+from vllm_kvdisk.testing.harness import close
+from vllm_kvdisk.testing.harness import make_llm as _make_llm
 
 __all__ = ["close", "kv_bytes_per_token", "make_llm", "model_shape"]
 
 
 def model_shape(hidden: int, layers: int) -> dict[str, int]:
-    """A random Llama shape for vllm_kvdisk.tinymodel: 64-dim heads, one KV head per 4."""
+    """A random Llama shape for vllm_kvdisk.testing.tinymodel: 64-dim heads, one KV head per 4."""
     return {"hidden": hidden, "layers": layers, "heads": hidden // 64,
             "kv_heads": max(1, hidden // 256)}
 

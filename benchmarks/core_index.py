@@ -21,12 +21,12 @@ import time
 
 import numpy as np
 
-from vllm_kvdisk.format import PageLayout, Reason
-from vllm_kvdisk.index import Entry, Index, head_digest
-from vllm_kvdisk.keys import Fingerprint, as_token_array, token_digest
-from vllm_kvdisk.planner import Planner, Prompt, SavePlan, encode_plan
-from vllm_kvdisk.store import Store
-from vllm_kvdisk.tokens import TokenTable
+from vllm_kvdisk.core.format import PageLayout, Reason
+from vllm_kvdisk.core.index import Entry, Index, head_digest
+from vllm_kvdisk.core.keys import Fingerprint, as_token_array, token_digest
+from vllm_kvdisk.core.planner import Planner, Prompt, SavePlan, encode_plan
+from vllm_kvdisk.storage.store import Store
+from vllm_kvdisk.core.tokens import TokenTable
 
 LAYOUT = PageLayout("bench:LBHNC", 128, 1, (1, 128, 1), "float32")
 FP = Fingerprint("bench", "0", "float32", LAYOUT.name, 128, 1, 0)

@@ -53,7 +53,7 @@ def main() -> None:
     # machine, then reserves none and binds both cores; without a connector it binds one.
     # Pin the same reservation for both so the comparison is of the connector alone.
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-    from vllm_kvdisk.tinymodel import build_tiny_model
+    from vllm_kvdisk.testing.tinymodel import build_tiny_model
 
     work = tempfile.mkdtemp(prefix="kvdisk-engine-bench-")
     shape = model_shape(args.hidden, args.layers)

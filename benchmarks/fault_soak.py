@@ -41,10 +41,10 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 from crash_child import prompts  # noqa: E402
-from vllm_kvdisk.harness import engine, generate  # noqa: E402
-from vllm_kvdisk.store import Store  # noqa: E402
-from vllm_kvdisk.tinymodel import build_tiny_model  # noqa: E402
-from vllm_kvdisk.verify import verify  # noqa: E402
+from vllm_kvdisk.testing.harness import engine, generate  # noqa: E402
+from vllm_kvdisk.storage.store import Store  # noqa: E402
+from vllm_kvdisk.testing.tinymodel import build_tiny_model  # noqa: E402
+from vllm_kvdisk.storage.verify import verify  # noqa: E402
 
 CHILD = REPO / "tests" / "crash_child.py"
 

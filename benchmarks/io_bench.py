@@ -33,12 +33,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from vllm_kvdisk.config import load_config
-from vllm_kvdisk.format import Reason
-from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta
-from vllm_kvdisk.keys import Fingerprint
-from vllm_kvdisk.planner import SavePlan
-from vllm_kvdisk.worker import WorkerSide
+from vllm_kvdisk.core.config import load_config
+from vllm_kvdisk.core.format import Reason
+from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta
+from vllm_kvdisk.core.keys import Fingerprint
+from vllm_kvdisk.core.planner import SavePlan
+from vllm_kvdisk.connector.worker import WorkerSide
 
 BLOCK = 128
 CHUNK = 4 << 20  # preadv size of the chunked baselines
@@ -99,11 +99,11 @@ def conversation_cuts(tokens: int, turns: int, align: int = 2048, trim: int = 32
     """The file boundaries of the chain a conversation of ``tokens`` tokens in ``turns``
     equal turns leaves under the save rules (ds4's grid with tails; each turn a cold save
     of its prompt and an evict save of prompt + reply), as the scheduler plans them."""
-    from vllm_kvdisk.index import Entry, Index, head_digest
-    from vllm_kvdisk.keys import Grid, token_digest
-    from vllm_kvdisk.tokens import TokenTable
-    from vllm_kvdisk.planner import Planner, Prompt
-    from vllm_kvdisk.saverules import SaveRules
+    from vllm_kvdisk.core.index import Entry, Index, head_digest
+    from vllm_kvdisk.core.keys import Grid, token_digest
+    from vllm_kvdisk.core.tokens import TokenTable
+    from vllm_kvdisk.core.planner import Planner, Prompt
+    from vllm_kvdisk.core.saverules import SaveRules
 
     rules = SaveRules(Grid(align, trim, BLOCK), min_tokens=BLOCK, cold_max=1 << 30,
                       continued_interval=1 << 30)

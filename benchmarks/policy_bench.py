@@ -56,8 +56,8 @@ class TokenBucket:
 
 def throttle_reads(bucket: TokenBucket | None) -> None:
     """Make the restore path's layer reads wait on ``bucket``; None undoes it."""
-    import vllm_kvdisk.fileread as fmt
-    import vllm_kvdisk.restore as restore_mod
+    import vllm_kvdisk.storage.fileread as fmt
+    import vllm_kvdisk.connector.restore as restore_mod
 
     if bucket is None:
         restore_mod.read_layer_into = fmt.read_layer_into
@@ -87,7 +87,7 @@ def first_token(llm, prompt: list[int]) -> tuple[float, int, int]:
 
 
 def declined(trace_path: str) -> int:
-    from vllm_kvdisk.trace import read
+    from vllm_kvdisk.ops.trace import read
 
     return sum("cheaper to recompute" in e.detail for e in read(trace_path, ["miss"]))
 
@@ -107,7 +107,7 @@ def main() -> None:
         print(text, flush=True)
         lines.append(text)
 
-    from vllm_kvdisk.tinymodel import build_tiny_model
+    from vllm_kvdisk.testing.tinymodel import build_tiny_model
 
     work = tempfile.mkdtemp(prefix="kvdisk-policy-bench-")
     shape = model_shape(args.hidden, args.layers)

@@ -21,8 +21,8 @@ import time
 import numpy as np
 import torch
 
-from vllm_kvdisk.staging import StagingPool
-from vllm_kvdisk.transfer import PageMover, pinned_buffer
+from vllm_kvdisk.connector.staging import StagingPool
+from vllm_kvdisk.connector.transfer import PageMover, pinned_buffer
 
 
 def timed(fn, repeat: int, sync) -> float:

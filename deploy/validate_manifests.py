@@ -146,16 +146,16 @@ def mebibytes(quantity: str) -> float:
 
 
 def exported_metrics() -> set[str]:
-    """The plugin's metric names (vllm_kvdisk/metrics.py METRIC_NAMES, read without importing
+    """The plugin's metric names (vllm_kvdisk/ops/metrics.py METRIC_NAMES, read without importing
     vLLM) and the vLLM metrics the dashboard and alerts may use."""
-    tree = ast.parse((ROOT / "vllm_kvdisk/metrics.py").read_text())
+    tree = ast.parse((ROOT / "vllm_kvdisk/ops/metrics.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
                 isinstance(t, ast.Name) and t.id == "METRIC_NAMES" for t in node.targets):
             names = set(ast.literal_eval(node.value))
             break
     else:
-        raise RuntimeError("vllm_kvdisk/metrics.py has no METRIC_NAMES")
+        raise RuntimeError("vllm_kvdisk/ops/metrics.py has no METRIC_NAMES")
     return names | {"vllm:prompt_tokens_cached_by_source_total",
                     "vllm:time_to_first_token_seconds"}
 
@@ -738,9 +738,9 @@ def pstack_command(spec: dict[str, Any]) -> list[str]:
 
 
 def load_kvdisk_config_module() -> Any:
-    """vllm_kvdisk/config.py, the plugin's own config loader (standard library only), loaded
+    """vllm_kvdisk/core/config.py, the plugin's own config loader (standard library only), loaded
     by path so that neither the package nor vLLM is imported."""
-    path = ROOT / "vllm_kvdisk/config.py"
+    path = ROOT / "vllm_kvdisk/core/config.py"
     spec = importlib.util.spec_from_file_location("kvdisk_config_for_validation", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -834,7 +834,7 @@ def check_production_stack() -> None:
              f"its excerpt of {PSTACK_VALUES.name} differs from the file")
     status = "ok  " if len(failures) == before else "FAIL"
     print(f"{status} {where}: vllm-stack values layout, `vllm serve` args and the kvdisk "
-          f"config (through vllm_kvdisk/config.py), cache PVC {PSTACK_PVC.name} (k8s strict), "
+          f"config (through vllm_kvdisk/core/config.py), cache PVC {PSTACK_PVC.name} (k8s strict), "
           f"README excerpt")
 
 

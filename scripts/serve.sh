@@ -10,7 +10,7 @@ bash scripts/setup.sh
 KV_DISK_DIR=${KV_DISK_DIR:-$PWD/.cache/kvdisk}
 extra=()
 if [ -z "${MODEL:-}" ]; then
-    MODEL=$(.venv/bin/python -m vllm_kvdisk.tinymodel "$PWD/.cache/tiny-model")
+    MODEL=$(.venv/bin/python -m vllm_kvdisk.testing.tinymodel "$PWD/.cache/tiny-model")
     # fp32 keeps the tiny model exact; eager mode starts in seconds on a CPU.
     extra+=(--dtype float32 --enforce-eager --max-model-len 8192)
 fi

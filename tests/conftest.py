@@ -17,13 +17,13 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    from vllm_kvdisk.tinymodel import build_tiny_model
+    from vllm_kvdisk.testing.tinymodel import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0))
 
 
 @pytest.fixture(scope="session")
 def other_model(tmp_path_factory):
-    from vllm_kvdisk.tinymodel import build_tiny_model
+    from vllm_kvdisk.testing.tinymodel import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "other", seed=1))

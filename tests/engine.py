@@ -1,4 +1,4 @@
-"""Test defaults around the shared harness (vllm_kvdisk.harness): a small checkpoint grid,
+"""Test defaults around the shared harness (vllm_kvdisk.testing.harness): a small checkpoint grid,
 exact hit counts, an in-process engine and a `vllm-kvdisk serve` server."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from vllm_kvdisk import harness
-from vllm_kvdisk.harness import free_port, generate, random_prompt, shared_prefix  # noqa: F401
-from vllm_kvdisk.trace import TraceEvent, read
+from vllm_kvdisk.testing import harness
+from vllm_kvdisk.testing.harness import free_port, generate, random_prompt, shared_prefix  # noqa: F401
+from vllm_kvdisk.ops.trace import TraceEvent, read
 
 ALIGN = 256  # small grid so tests stay fast: checkpoints at 128, 384, 640, ... (block 128)
 # "always": tests assert exact hit counts; the cost-aware default is tested on its own.

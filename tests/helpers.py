@@ -3,7 +3,7 @@
 import glob
 import os
 
-from vllm_kvdisk.quarantine import DIRNAME as QUARANTINE
+from vllm_kvdisk.storage.quarantine import DIRNAME as QUARANTINE
 
 # Plain English words that every Python install carries: prompts of a known length without
 # a data file, the same on every machine.

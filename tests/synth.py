@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_kvdisk.format import PageLayout, Reason
-from vllm_kvdisk.keys import Fingerprint, Grid
-from vllm_kvdisk.planner import Planner, Prompt, SavePlan, encode_plan
-from vllm_kvdisk.store import Store
-from vllm_kvdisk.tokens import TokenTable
+from vllm_kvdisk.core.format import PageLayout, Reason
+from vllm_kvdisk.core.keys import Fingerprint, Grid
+from vllm_kvdisk.core.planner import Planner, Prompt, SavePlan, encode_plan
+from vllm_kvdisk.storage.store import Store
+from vllm_kvdisk.core.tokens import TokenTable
 
 BLOCK = 16
 LAYOUT = PageLayout("test:LBHNC", BLOCK, 2, (2, BLOCK, 8), "float32")

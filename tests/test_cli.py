@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from synth import FP, prompt_of, save
 
-from vllm_kvdisk.cli import main
-from vllm_kvdisk.store import Store
+from vllm_kvdisk.ops.cli import main
+from vllm_kvdisk.storage.store import Store
 
 
 @pytest.fixture()
@@ -84,7 +84,7 @@ def test_gc_and_stats(cache, capsys):
 
 def test_rm_removes_one_model_and_says_which(cache, capsys, tmp_path):
     store, ns, root, child = cache
-    from vllm_kvdisk.keys import Fingerprint
+    from vllm_kvdisk.core.keys import Fingerprint
 
     other = store.ensure_namespace(Fingerprint("other-model", "r1", "float32", "x", 16, 1, 0))
     code, out, err = run(capsys, "rm", store.root, "--model", "nope")
@@ -121,6 +121,6 @@ def test_bad_input_is_a_clear_error_not_a_traceback(tmp_path, capsys):
 
 def test_console_script_runs_without_vllm(cache):
     store = cache[0]
-    out = subprocess.run([sys.executable, "-m", "vllm_kvdisk.cli", "stats", store.root],
+    out = subprocess.run([sys.executable, "-m", "vllm_kvdisk.ops.cli", "stats", store.root],
                          capture_output=True, text=True)
     assert out.returncode == 0 and "2 checkpoint(s)" in out.stdout

@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from vllm_kvdisk.config import (
+from vllm_kvdisk.core.config import (
     ENV_NAMES,
     FIELDS,
     ConfigError,
@@ -80,7 +80,7 @@ def test_every_knob_has_help_a_flag_and_an_environment_name():
 def test_the_readme_table_is_the_one_derived_from_the_config():
     import os
 
-    from vllm_kvdisk.config import markdown_table
+    from vllm_kvdisk.core.config import markdown_table
 
     readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
     assert markdown_table() in readme

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_kvdisk.compat import (Placement, Shard, UnsupportedConfig, kv_dtype_identity, kv_shard,
+from vllm_kvdisk.core.compat import (Placement, Shard, UnsupportedConfig, kv_dtype_identity, kv_shard,
                                 tp_replicas)
-from vllm_kvdisk.config import load_config
-from vllm_kvdisk.format import Reason
-from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta
-from vllm_kvdisk.keys import Fingerprint, rank_group
-from vllm_kvdisk.planner import SavePlan
-from vllm_kvdisk.worker import WorkerSide
+from vllm_kvdisk.core.config import load_config
+from vllm_kvdisk.core.format import Reason
+from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta
+from vllm_kvdisk.core.keys import Fingerprint, rank_group
+from vllm_kvdisk.core.planner import SavePlan
+from vllm_kvdisk.connector.worker import WorkerSide
 
 NUM_BLOCKS = 12
 LAYERS = 3
@@ -145,7 +145,7 @@ def vllm_config_of(tmp_path_factory):
     """A VllmConfig of the tiny model with some settings changed (no engine started)."""
     from vllm.config import CacheConfig, ModelConfig, ParallelConfig, VllmConfig
 
-    from vllm_kvdisk.tinymodel import build_tiny_model
+    from vllm_kvdisk.testing.tinymodel import build_tiny_model
 
     model = str(build_tiny_model(tmp_path_factory.mktemp("cfg") / "tiny", seed=0))
     model_config = ModelConfig(model=model, dtype="float32")
@@ -177,7 +177,7 @@ def kv_cache_config(layers: range, dtype=torch.float32, mla: bool = False, tp_si
 def test_pipeline_stages_have_their_own_namespaces(vllm_config_of):
     """Two stages of two layers each used to share one namespace (same shapes, rank 0):
     their files replaced each other and each restored the other stage's layers."""
-    from vllm_kvdisk.wiring import engine_fingerprint
+    from vllm_kvdisk.connector.wiring import engine_fingerprint
 
     cfg = vllm_config_of(pipeline_parallel_size=2)
     stage0, place0 = engine_fingerprint(cfg, kv_cache_config(range(0, 2)), tp_rank=0, pp_rank=0)
@@ -235,7 +235,7 @@ def test_every_kv_cache_dtype_vllm_accepts_is_told_apart_or_refused():
 
 
 def test_fp8_variants_get_different_namespaces_and_per_token_head_is_refused(vllm_config_of):
-    from vllm_kvdisk.wiring import engine_fingerprint
+    from vllm_kvdisk.connector.wiring import engine_fingerprint
 
     cfgs = {d: kv_cache_config(range(4), dtype=torch.uint8) for d in ("fp8_e4m3", "fp8_e5m2")}
     e4, _ = engine_fingerprint(vllm_config_of("fp8_e4m3"), cfgs["fp8_e4m3"], tp_rank=0)
@@ -247,7 +247,7 @@ def test_fp8_variants_get_different_namespaces_and_per_token_head_is_refused(vll
 
 
 def test_decode_context_parallel_is_refused_with_the_setting_named(vllm_config_of):
-    from vllm_kvdisk.wiring import engine_fingerprint
+    from vllm_kvdisk.connector.wiring import engine_fingerprint
 
     cfg = vllm_config_of(tensor_parallel_size=2)
     cfg.parallel_config.decode_context_parallel_size = 2
@@ -267,7 +267,7 @@ def test_replicas_share_one_shard():
 
 
 def test_mla_ranks_share_a_namespace(vllm_config_of):
-    from vllm_kvdisk.wiring import engine_fingerprint
+    from vllm_kvdisk.connector.wiring import engine_fingerprint
 
     cfg = vllm_config_of(tensor_parallel_size=2)
     kvc = kv_cache_config(range(4), mla=True, tp_size=2)
@@ -346,7 +346,7 @@ class RecordingStreams:
 def test_device_copies_order_their_cuda_calls(monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
-    from vllm_kvdisk import transfer
+    from vllm_kvdisk.connector import transfer
 
     calls: list[str] = []
     layers = [torch.rand(8, 2, 16, 4) for _ in range(2)]
@@ -387,7 +387,7 @@ def test_the_worker_store_gets_the_configured_lock_timeout(tmp_path):
 
 def test_files_record_the_shard_they_hold(tmp_path):
     """Every file used to say TP 0/1, whatever the rank."""
-    from vllm_kvdisk.fileread import read_meta
+    from vllm_kvdisk.storage.fileread import read_meta
 
     fp = Fingerprint("m", "0", "float32", "cpu:test/1", 16, 2, 1)
     w = worker(tmp_path, 16, Placement(tp_rank=1, shard=kv_shard(1, 2, 1)), fp)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from engine import engine, events, generate, random_prompt
 
-from vllm_kvdisk.store import Store
-from vllm_kvdisk.transfer import PageMover
+from vllm_kvdisk.storage.store import Store
+from vllm_kvdisk.connector.transfer import PageMover
 
 pytestmark = pytest.mark.engine
 
@@ -37,7 +37,7 @@ def test_greedy_tokens_identical_no_cache_gpu_hit_disk_hit_and_after_restart(tin
 
 
 def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_path, monkeypatch):
-    import vllm_kvdisk.restore as restore_mod
+    import vllm_kvdisk.connector.restore as restore_mod
 
     written: dict[int, np.ndarray] = {}  # block index in the request -> page bytes, layer 0
     loaded: list[tuple[int, bytes]] = []  # (layer, bytes the restore read into the blocks)

@@ -6,8 +6,8 @@ import pytest
 from engine import engine, events, generate, random_prompt
 from helpers import kv_files
 
-from vllm_kvdisk.store import Store
-from vllm_kvdisk.verify import verify
+from vllm_kvdisk.storage.store import Store
+from vllm_kvdisk.storage.verify import verify
 
 pytestmark = pytest.mark.engine
 

@@ -16,8 +16,8 @@ import pytest
 from synth import FP, prompt_of, save
 
 from engine import engine, generate, random_prompt
-from vllm_kvdisk.store import Store
-from vllm_kvdisk.verify import verify
+from vllm_kvdisk.storage.store import Store
+from vllm_kvdisk.storage.verify import verify
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 

@@ -84,7 +84,7 @@ def test_auto_policy_recomputes_when_the_store_is_slow(tiny_model, tmp_path, mon
     """A store slower than this engine's prefill makes `auto` recompute after measuring one
     restore. The measurements are injected (a load of 1 KiB/s, a prefill of 1000 tokens/s)
     so the decision never depends on how fast this machine happens to be."""
-    from vllm_kvdisk.policy import LoadCostModel
+    from vllm_kvdisk.core.policy import LoadCostModel
 
     real_load, real_step = LoadCostModel.observe_load, LoadCostModel.observe_step
     monkeypatch.setattr(LoadCostModel, "observe_load",

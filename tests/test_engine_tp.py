@@ -19,10 +19,10 @@ import pytest
 from engine import Server, random_prompt, shared_prefix
 from helpers import text
 
-from vllm_kvdisk import harness
-from vllm_kvdisk.fileread import read_meta, read_tokens
-from vllm_kvdisk.keys import Grid
-from vllm_kvdisk.trace import TraceEvent, read
+from vllm_kvdisk.testing import harness
+from vllm_kvdisk.storage.fileread import read_meta, read_tokens
+from vllm_kvdisk.core.keys import Grid
+from vllm_kvdisk.ops.trace import TraceEvent, read
 
 pytestmark = pytest.mark.engine
 

@@ -1,8 +1,8 @@
 """Eviction scenarios: leaves only, lowest score first, ties by last use, TP ranks together."""
 
-from vllm_kvdisk.eviction import HALF_LIFE_S, plan_eviction, score
-from vllm_kvdisk.format import Reason
-from vllm_kvdisk.index import Entry, Index
+from vllm_kvdisk.core.eviction import HALF_LIFE_S, plan_eviction, score
+from vllm_kvdisk.core.format import Reason
+from vllm_kvdisk.core.index import Entry, Index
 
 
 def test_eviction_takes_leaves_only_lowest_score_first_and_protects():
@@ -73,7 +73,7 @@ def test_a_tp_checkpoint_goes_from_every_rank_where_it_is_a_leaf():
 def test_scores_tie_by_power_of_1_25_bucket_not_by_distance():
     """What DESIGN and the README say: floor(log_1.25 score) decides, so 1.01 and 1.24 tie
     (one bucket) while 1.24 and 1.26, closer together, do not."""
-    from vllm_kvdisk.eviction import eviction_key
+    from vllm_kvdisk.core.eviction import eviction_key
 
     def bucket(tokens: int) -> int:  # score = tokens / 100 bytes: no hits, used just now
         return eviction_key(Entry("n", "x", tokens, None, 0, Reason.COLD, 0, 0, 0, 100, 0, 0),

@@ -19,8 +19,8 @@ import pytest
 from crash_child import prompts
 from engine import engine, events, generate, random_prompt
 from helpers import kv_files
-from vllm_kvdisk.store import Store
-from vllm_kvdisk.verify import verify
+from vllm_kvdisk.storage.store import Store
+from vllm_kvdisk.storage.verify import verify
 
 pytestmark = pytest.mark.engine
 CHILD = os.path.join(os.path.dirname(__file__), "crash_child.py")
@@ -69,8 +69,8 @@ def test_kill_9_during_saves_leaves_nothing_corrupt_and_answers_stay_exact(tiny_
 
 
 def test_enospc_and_eio_cost_a_checkpoint_never_an_answer(tiny_model, tmp_path, monkeypatch):
-    import vllm_kvdisk.fsdir as fsdir
-    import vllm_kvdisk.restore as restore_mod
+    import vllm_kvdisk.storage.fsdir as fsdir
+    import vllm_kvdisk.connector.restore as restore_mod
 
     kv, trace = str(tmp_path / "kv"), str(tmp_path / "trace.txt")
     prompt = random_prompt(1500, seed=71)

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_kvdisk.fileread import read_layer_into, read_meta, read_text, read_tokens, read_tool_map
-from vllm_kvdisk.format import (
+from vllm_kvdisk.storage.fileread import read_layer_into, read_meta, read_text, read_tokens, read_tool_map
+from vllm_kvdisk.core.format import (
     FLAG_DELTA,
     FLAG_TOOL_MAP,
     PAGE_ALIGN,
@@ -89,7 +89,7 @@ def test_round_trip(tmp_path):
 def test_layers_read_in_one_go_into_split_buffers_survive_short_reads(tmp_path, monkeypatch):
     """Both layers in one call, each into three pieces (as runs of blocks would be); the
     kernel may return fewer bytes than asked (here: at most 5 per call)."""
-    import vllm_kvdisk.fileread as fmt
+    import vllm_kvdisk.storage.fileread as fmt
 
     raw = golden_checkpoint(True)
     fd = write(tmp_path, raw)
@@ -210,9 +210,9 @@ def test_truncation_and_bit_flips_never_crash_or_return_wrong_pages(tmp_path, da
 def test_summary_reads_the_walk_key_in_at_most_two_reads(tmp_path, monkeypatch):
     """A start-up scan indexes a file from its first page, plus one read of the payload
     header, checksum table and token ids when the text is longer than a page."""
-    from vllm_kvdisk import fileread as fmt
-    from vllm_kvdisk.format import summary_of
-    from vllm_kvdisk.index import head_digest
+    from vllm_kvdisk.storage import fileread as fmt
+    from vllm_kvdisk.core.format import summary_of
+    from vllm_kvdisk.core.index import head_digest
 
     layout = PageLayout("cpu:LBHNC", 4, 2, (1, 4, 2), "float32")
     ids = np.arange(4000, 4012, dtype="<u4")
@@ -256,8 +256,8 @@ def test_a_huge_or_sparse_tool_map_is_rejected_before_it_is_read(tmp_path, monke
 
 def test_summary_of_a_delta_whose_first_block_is_past_the_first_page(tmp_path):
     """A short text but a deep parent: the head is read on its own, the digest is kept."""
-    from vllm_kvdisk.fileread import read_summary
-    from vllm_kvdisk.format import summary_of
+    from vllm_kvdisk.storage.fileread import read_summary
+    from vllm_kvdisk.core.format import summary_of
 
     layout = PageLayout("cpu:LBHNC", 16, 1, (1, 16, 1), "float32")
     ids = np.arange(2048, dtype="<u4")  # ids of a 2048-token prefix: 8 KiB, past 4 KiB
@@ -276,8 +276,8 @@ def test_summary_of_a_delta_whose_first_block_is_past_the_first_page(tmp_path):
 def test_summary_of_a_long_root_reads_its_first_block_not_every_id(tmp_path, monkeypatch):
     """The index needs the first owned block's ids (the head); a scan of a 131k-token
     root past the first page used to read all 512 KiB of its ids."""
-    from vllm_kvdisk.fileread import read_summary
-    from vllm_kvdisk.format import summary_of
+    from vllm_kvdisk.storage.fileread import read_summary
+    from vllm_kvdisk.core.format import summary_of
 
     layout = PageLayout("cpu:LBHNC", 16, 1, (1, 16, 1), "float32")
     ids = np.arange(131072, dtype="<u4")

@@ -28,10 +28,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from synth import FP, LAYOUT, encode, make, planner, prompt, save
 
-from vllm_kvdisk import fsdir
-from vllm_kvdisk.cli import main
-from vllm_kvdisk.fileread import read_meta, read_summary
-from vllm_kvdisk.format import (
+from vllm_kvdisk.storage import fsdir
+from vllm_kvdisk.ops.cli import main
+from vllm_kvdisk.storage.fileread import read_meta, read_summary
+from vllm_kvdisk.core.format import (
     HEADER,
     PAYLOAD_FIXED,
     FormatError,
@@ -40,11 +40,11 @@ from vllm_kvdisk.format import (
     Reason,
     encode_checkpoint,
 )
-from vllm_kvdisk.index import Entry, Index
-from vllm_kvdisk.store import Store
-from vllm_kvdisk.trace import Trace
-from vllm_kvdisk.trace import read as read_trace
-from vllm_kvdisk.verify import verify
+from vllm_kvdisk.core.index import Entry, Index
+from vllm_kvdisk.storage.store import Store
+from vllm_kvdisk.ops.trace import Trace
+from vllm_kvdisk.ops.trace import read as read_trace
+from vllm_kvdisk.storage.verify import verify
 
 HANG = pytest.mark.timeout(20)  # a blocking open of a FIFO never returns: fail, not stall
 KINDS = ["fifo", "socket", "device", "directory"]
@@ -371,7 +371,7 @@ def _info_bytes():
                                  HealthCheck.too_slow])
 @given(raw=_info_bytes())
 def test_fuzz_namespace_json_through_every_reader(tmp_path_factory, raw):
-    from vllm_kvdisk.cli import namespace_label
+    from vllm_kvdisk.ops.cli import namespace_label
 
     root = tmp_path_factory.mktemp("fuzz")
     store, ns = make(root)
@@ -496,7 +496,7 @@ def test_verify_reads_a_huge_sparse_file_in_bounded_memory(tmp_path):
 
     for argv in (["verify", store.root], ["verify", store.root, "--json"],
                  ["inspect", path], ["ls", store.root], ["stats", store.root]):
-        out = subprocess.run([sys.executable, "-m", "vllm_kvdisk.cli", *argv],
+        out = subprocess.run([sys.executable, "-m", "vllm_kvdisk.ops.cli", *argv],
                              capture_output=True, text=True, preexec_fn=cap, timeout=300)
         assert out.returncode == 0 and "Traceback" not in out.stderr, (argv, out.stderr)
     assert verify(Store(store.root, space_bytes=1 << 40, readonly=True)).checked == 1
@@ -556,7 +556,7 @@ def test_quarantine_never_moves_a_replacement_renamed_into_place_meanwhile(tmp_p
     between them lands after the move and stays."""
     import fcntl
 
-    from vllm_kvdisk import quarantine as quarantine_mod
+    from vllm_kvdisk.storage import quarantine as quarantine_mod
 
     store, ns = make(tmp_path)
     plan, layers = save(store, ns, prompt(8), 48, np.random.default_rng(0))

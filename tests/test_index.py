@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from vllm_kvdisk.format import Reason
-from vllm_kvdisk.index import Entry, Index, Miss, head_digest
-from vllm_kvdisk.keys import token_digest
+from vllm_kvdisk.core.format import Reason
+from vllm_kvdisk.core.index import Entry, Index, Miss, head_digest
+from vllm_kvdisk.core.keys import token_digest
 
 BS = 16
 
@@ -158,8 +158,8 @@ def test_grid_saves_rebase_on_the_grid_so_chains_stay_shallow():
     so the chain is the grid points plus the tails since the last one."""
     from synth import prompt_of
 
-    from vllm_kvdisk.keys import Grid
-    from vllm_kvdisk.planner import Planner
+    from vllm_kvdisk.core.keys import Grid
+    from vllm_kvdisk.core.planner import Planner
 
     grid = Grid(256, 32, BS)
     d = Disk()

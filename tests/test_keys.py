@@ -3,14 +3,14 @@ import numpy as np
 import pytest
 from synth import byte_table
 
-from vllm_kvdisk.keys import (
+from vllm_kvdisk.core.keys import (
     Fingerprint,
     Grid,
     as_token_array,
     salt_digest,
     token_digest,
 )
-from vllm_kvdisk.tokens import TokenTable
+from vllm_kvdisk.core.tokens import TokenTable
 
 
 def test_seed_example_positions():
@@ -100,7 +100,7 @@ def test_empty_table_and_prompt():
 def test_rank_group_joins_the_ranks_of_one_engine_only():
     from dataclasses import asdict, replace
 
-    from vllm_kvdisk.keys import Fingerprint, rank_group
+    from vllm_kvdisk.core.keys import Fingerprint, rank_group
 
     fp = Fingerprint("m", "r", "float32", "NHD", 16, 4, 0)
     info = [{"digest": replace(fp, tp_rank=r).digest().hex(), **asdict(replace(fp, tp_rank=r))}
@@ -115,7 +115,7 @@ def test_rank_group_joins_the_ranks_of_one_engine_only():
 def test_a_salt_with_a_lone_surrogate_has_a_digest_of_its_own():
     """A client's cache_salt is any JSON string: a lone surrogate raised UnicodeEncodeError
     in every hook of that request."""
-    from vllm_kvdisk.keys import salt_digest
+    from vllm_kvdisk.core.keys import salt_digest
 
     assert salt_digest("\ud800") != salt_digest("\ud801") != salt_digest("")
     assert salt_digest("a\ud800") == salt_digest("a\ud800")

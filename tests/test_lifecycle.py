@@ -1,7 +1,7 @@
 """A request's phases with the disk cache (pure, no engine)."""
 
-from vllm_kvdisk.control import RequestControl
-from vllm_kvdisk.lifecycle import Phase, RequestState
+from vllm_kvdisk.core.control import RequestControl
+from vllm_kvdisk.core.lifecycle import Phase, RequestState
 
 
 def state() -> RequestState:

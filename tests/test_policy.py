@@ -1,4 +1,4 @@
-from vllm_kvdisk.policy import LoadCostModel
+from vllm_kvdisk.core.policy import LoadCostModel
 
 
 def test_loads_everything_until_it_has_measurements():

@@ -17,13 +17,13 @@ from engine import Server, engine, events, generate, shared_prefix
 from helpers import WORDS, text
 from synth import FP, byte_table, prompt_of, save
 
-from vllm_kvdisk.control import MAP_KEY
+from vllm_kvdisk.core.control import MAP_KEY
 from vllm_kvdisk.replay.ktm import DiskToolMaps, load_tool_maps
 from vllm_kvdisk.replay.memory import ToolMemory, ToolRecord, exact_text, strip_stop
 from vllm_kvdisk.replay.messages import make_signature
 from vllm_kvdisk.replay.plugin import plugins_env
 from vllm_kvdisk.replay.turns import plan_replay, sentinel_messages, splice
-from vllm_kvdisk.store import Store
+from vllm_kvdisk.storage.store import Store
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city.",
@@ -358,7 +358,7 @@ def test_streamed_calls_replay_and_changed_arguments_render_as_usual(tiny_model,
 
 
 def test_map_key_is_the_one_the_connector_reads():
-    from vllm_kvdisk.control import RequestControl, tool_entries
+    from vllm_kvdisk.core.control import RequestControl, tool_entries
 
     class Request:
         kv_transfer_params = {"client": 1, MAP_KEY: [["id-1", "<call>"], ["id-2", "absent"]]}
@@ -373,7 +373,7 @@ def test_a_template_that_opens_content_differently_keeps_the_hit_past_the_turn(t
     """Like Mistral's (' ' + content after [/INST]), this template opens a plain assistant
     message with a space the model never sampled after the generation prompt. The turn
     must still come back exactly as sampled, after a restart, and the answer be exact."""
-    from vllm_kvdisk.tinymodel import CHAT_TEMPLATE
+    from vllm_kvdisk.testing.tinymodel import CHAT_TEMPLATE
 
     opening = "{%- if m.content %}{{- '\\n' + m.content }}{%- endif %}"
     assert opening in CHAT_TEMPLATE

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from synth import FP, encode, pages, planner, prompt_of, save
 
-from vllm_kvdisk import fsdir
-from vllm_kvdisk import verify as verify_module
-from vllm_kvdisk.budget import SaveSkipped
-from vllm_kvdisk.format import HEADER_FIELD_HITS, Reason
-from vllm_kvdisk.store import Store
-from vllm_kvdisk.verify import verify
+from vllm_kvdisk.storage import fsdir
+from vllm_kvdisk.storage import verify as verify_module
+from vllm_kvdisk.storage.budget import SaveSkipped
+from vllm_kvdisk.core.format import HEADER_FIELD_HITS, Reason
+from vllm_kvdisk.storage.store import Store
+from vllm_kvdisk.storage.verify import verify
 
 
 def replicas(tmp_path, **kw):

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_kvdisk import restore as restore_mod
-from vllm_kvdisk.config import load_config
-from vllm_kvdisk.format import Reason
-from vllm_kvdisk.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta
-from vllm_kvdisk.keys import Fingerprint
-from vllm_kvdisk.planner import SavePlan
-from vllm_kvdisk.worker import WorkerSide
+from vllm_kvdisk.connector import restore as restore_mod
+from vllm_kvdisk.core.config import load_config
+from vllm_kvdisk.core.format import Reason
+from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta
+from vllm_kvdisk.core.keys import Fingerprint
+from vllm_kvdisk.core.planner import SavePlan
+from vllm_kvdisk.connector.worker import WorkerSide
 
 BLOCK = 16
 FP = Fingerprint("m", "0", "float32", "cpu:test/1", BLOCK, 1, 0)

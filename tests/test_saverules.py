@@ -2,9 +2,9 @@
 
 import pytest
 
-from vllm_kvdisk.format import Reason
-from vllm_kvdisk.keys import Grid
-from vllm_kvdisk.saverules import SaveRules
+from vllm_kvdisk.core.format import Reason
+from vllm_kvdisk.core.keys import Grid
+from vllm_kvdisk.core.saverules import SaveRules
 
 COLD, CONT, EVICT, SHUT = Reason.COLD, Reason.CONTINUED, Reason.EVICT, Reason.SHUTDOWN
 

@@ -8,7 +8,7 @@ import pytest
 from engine import ALIGN, Server, engine, events, generate, shared_prefix
 from helpers import text
 
-from vllm_kvdisk.keys import Grid
+from vllm_kvdisk.core.keys import Grid
 
 pytestmark = pytest.mark.engine
 GRID = Grid(ALIGN, 32, 128)

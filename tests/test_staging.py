@@ -1,6 +1,6 @@
 import numpy as np
 
-from vllm_kvdisk.staging import StagingPool
+from vllm_kvdisk.connector.staging import StagingPool
 
 
 def test_buffers_are_reused_by_size_class_and_capped():

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from synth import BLOCK, FP, encode, make, planner, prompt, save
 
-from vllm_kvdisk.budget import SaveSkipped
-from vllm_kvdisk.fileread import read_layer_into
-from vllm_kvdisk.format import Reason
-from vllm_kvdisk.store import Store
-from vllm_kvdisk.verify import verify
+from vllm_kvdisk.storage.budget import SaveSkipped
+from vllm_kvdisk.storage.fileread import read_layer_into
+from vllm_kvdisk.core.format import Reason
+from vllm_kvdisk.storage.store import Store
+from vllm_kvdisk.storage.verify import verify
 
 
 def free_space(amount):
@@ -163,7 +163,7 @@ def test_a_parent_deleted_within_one_timestamp_tick_is_still_seen_gone(tmp_path,
     one tick, the mtime says "unchanged" and the child used to be committed as an orphan.
     The utimes pin that tick: the directory's mtime is "now" when this store looks, and
     stays so through the eviction and the temp file."""
-    from vllm_kvdisk import fsdir
+    from vllm_kvdisk.storage import fsdir
 
     store, ns = make(tmp_path)
     p = prompt(8)
@@ -227,7 +227,7 @@ def test_an_unreachable_watermark_skips_the_save_and_evicts_nothing(tmp_path):
 
 
 def test_enospc_while_writing_makes_room_once_and_leaves_no_temp_file(tmp_path, monkeypatch):
-    from vllm_kvdisk import fsdir
+    from vllm_kvdisk.storage import fsdir
 
     store, ns = make(tmp_path)
     rng = np.random.default_rng(0)
@@ -444,7 +444,7 @@ def test_scans_quarantine_only_what_is_proven_corrupt_in_our_version(tmp_path, m
             raise OSError(116, "Stale file handle")  # ESTALE, once
         return real_open(path, flags, *args, **kwargs)
 
-    import vllm_kvdisk.store as store_mod
+    import vllm_kvdisk.storage.store as store_mod
 
     monkeypatch.setattr(store_mod.os, "open", flaky)
     fresh = Store(store.root, space_bytes=1 << 30)
@@ -460,7 +460,7 @@ def test_scans_quarantine_only_what_is_proven_corrupt_in_our_version(tmp_path, m
 def test_io_errors_never_escape_a_refresh(tmp_path, monkeypatch):
     store, ns = make(tmp_path)
     save(store, ns, prompt(60), 48, np.random.default_rng(0))
-    import vllm_kvdisk.store as store_mod
+    import vllm_kvdisk.storage.store as store_mod
 
     def broken(*args, **kwargs):
         raise OSError(5, "Input/output error")
@@ -507,7 +507,7 @@ def test_symlinks_in_the_directory_are_never_followed(tmp_path):
 
 
 def test_a_root_others_can_write_is_refused_unless_allowed(tmp_path):
-    from vllm_kvdisk.fsdir import UnsafeDirectory
+    from vllm_kvdisk.storage.fsdir import UnsafeDirectory
 
     root = tmp_path / "shared"
     root.mkdir()

@@ -7,7 +7,7 @@ import pytest
 from engine import engine, events, generate, random_prompt, wait_events
 from transformers import AutoTokenizer
 
-from vllm_kvdisk.tokens import table_from_tokenizer
+from vllm_kvdisk.core.tokens import table_from_tokenizer
 
 pytestmark = pytest.mark.engine
 

@@ -2,7 +2,7 @@
 
 import os
 
-from vllm_kvdisk.trace import Trace, parse, read
+from vllm_kvdisk.ops.trace import Trace, parse, read
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 
@@ -39,7 +39,7 @@ def test_every_event_parses_back(tmp_path):
 
 
 def test_the_file_rotates_at_its_cap_and_follows_logrotate(tmp_path, monkeypatch):
-    import vllm_kvdisk.trace as trace_mod
+    import vllm_kvdisk.ops.trace as trace_mod
 
     monkeypatch.setattr(trace_mod, "CHECK_EVERY_S", 0.0)
     path = str(tmp_path / "t.log")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol
 
-from vllm_kvdisk.logs import get_logger
+from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.replay.messages import Signature, make_signature
 
 log = get_logger(__name__)

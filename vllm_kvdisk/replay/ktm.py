@@ -4,7 +4,7 @@ exact text) that the connector writes into a ``.kv`` file whose text contains th
 Not the tool-call log (:mod:`vllm_kvdisk.replay.log`, ``.ktl`` files): a KTM section holds
 no token ids (they are recovered from the file's stored ids) and exists only once a
 checkpoint past the call was written. Read-only; unreadable files are skipped.
-The codec is :func:`vllm_kvdisk.format.encode_tool_map` / ``decode_tool_map``.
+The codec is :func:`vllm_kvdisk.core.format.encode_tool_map` / ``decode_tool_map``.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import threading
 
 import numpy as np
 
-from vllm_kvdisk.fileread import read_tokens, read_tool_map
-from vllm_kvdisk.format import FormatError
-from vllm_kvdisk.logs import get_logger
-from vllm_kvdisk.store import Store
-from vllm_kvdisk.tokens import TokenTable
+from vllm_kvdisk.storage.fileread import read_tokens, read_tool_map
+from vllm_kvdisk.core.format import FormatError
+from vllm_kvdisk.core.logs import get_logger
+from vllm_kvdisk.storage.store import Store
+from vllm_kvdisk.core.tokens import TokenTable
 
 log = get_logger(__name__)
 

@@ -41,8 +41,8 @@ from typing import Callable
 
 import xxhash
 
-from vllm_kvdisk import fsdir
-from vllm_kvdisk.logs import get_logger
+from vllm_kvdisk.storage import fsdir
+from vllm_kvdisk.core.logs import get_logger
 
 log = get_logger(__name__)
 

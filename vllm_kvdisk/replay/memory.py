@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_kvdisk.replay.messages import Signature
-from vllm_kvdisk.tokens import TokenTable
+from vllm_kvdisk.core.tokens import TokenTable
 
 
 @dataclass(slots=True)

@@ -39,8 +39,8 @@ import time
 from importlib.metadata import entry_points
 from typing import Any
 
-from vllm_kvdisk.control import MAP_KEY
-from vllm_kvdisk.logs import get_logger
+from vllm_kvdisk.core.control import MAP_KEY
+from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.replay.capture import Tap, capture_stream
 from vllm_kvdisk.replay.ktm import DiskToolMaps
 from vllm_kvdisk.replay.log import ToolCall, ToolLog, newest_calls
@@ -118,19 +118,19 @@ class ReplayPlugin:
 
 
 def kvdisk_config(vllm_config: Any) -> Any:
-    from vllm_kvdisk.config import load_config
+    from vllm_kvdisk.core.config import load_config
 
     transfer = getattr(vllm_config, "kv_transfer_config", None)
     if transfer is None or (transfer.kv_connector != "kvdisk" and getattr(
-            transfer, "kv_connector_module_path", None) != "vllm_kvdisk.connector"):
+            transfer, "kv_connector_module_path", None) != "vllm_kvdisk.connector.facade"):
         return None
     return load_config(dict(transfer.kv_connector_extra_config or {}), os.environ)
 
 
 class Replayer:
     def __init__(self, config: Any, renderer: Any, chat: Any):
-        from vllm_kvdisk.tokens import table_from_tokenizer
-        from vllm_kvdisk.trace import Trace
+        from vllm_kvdisk.core.tokens import table_from_tokenizer
+        from vllm_kvdisk.ops.trace import Trace
 
         self.renderer = renderer
         self.tokenizer = renderer.get_tokenizer()

@@ -1,0 +1,126 @@
+"""``KVDiskConnector``: the vLLM V1 KV connector facade.
+
+vLLM builds one instance per role: SCHEDULER (EngineCore process) and WORKER (each worker
+process). The facade builds the matching half (``wiring``) and delegates each hook, in
+one line, to the method of the same name on :mod:`vllm_kvdisk.connector.scheduler` or
+:mod:`vllm_kvdisk.connector.worker`, so grepping a vLLM hook finds its implementation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from vllm_kvdisk.connector.jobs import StepMeta
+from vllm_kvdisk.connector.wiring import build_scheduler_side, build_worker_side
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+class KVDiskConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.DISK
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._sched = self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = build_scheduler_side(vllm_config, kv_cache_config)
+        else:
+            self._worker = build_worker_side(vllm_config, kv_cache_config)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: losing a save costs a future miss, never correctness
+
+    # -- both roles -------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> Any:
+        return (self._sched or self._worker).get_kv_connector_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None) -> Any:
+        from vllm_kvdisk.ops.metrics import KVDiskStats
+
+        return KVDiskStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        from vllm_kvdisk.ops.metrics import KVDiskPromMetrics
+
+        return KVDiskPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        (self._sched or self._worker).shutdown()
+
+    # -- worker role ------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._worker.bind_connector_metadata(connector_metadata)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: the request waits in WAITING_FOR_REMOTE_KVS
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # pages are copied whole after the step (also works under CUDA graphs)
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> Any:
+        return self._worker.build_connector_worker_meta()
+
+    # -- scheduler role ---------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._sched.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._sched.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        return self._sched.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched.has_pending_push_work()
+
+    def take_events(self) -> Iterable[Any]:
+        return self._sched.take_events()
+
+    def reset_cache(self) -> bool | None:
+        return self._sched.reset_cache()
+
+
+__all__ = ["KVDiskConnector", "StepMeta"]

@@ -1,0 +1,306 @@
+"""Restore one request's chain of checkpoint files into the engine's KV blocks.
+
+A load job names the files of a chain and, for each, the blocks it contributes
+``[start, upto)`` (the last file may be used only up to where the prompt leaves it). Every
+file is opened and checked before any page is read: its header says what the index said,
+its namespace digest and page layout are the engine's, and its stored token ids equal the
+prompt's ids up to ``upto`` (exact ids, not a digest: this is what makes a restore give
+the tokens the engine's own prefix cache would). Then the pages are read:
+
+* host-resident caches (the CPU backend) are read straight into runs of the target blocks,
+  no staging copy. A file whose blocks are all used is read with one ``preadv`` for all its
+  layers; pages not used (held by the device already, or past ``upto``) are read into
+  scratch only so the layer's checksum can be verified, one layer at a time so scratch
+  goes back to the pool at once (fresh memory is slow to touch). Files in the page cache
+  are read by all reader threads at once; cold files as one sequential stream (an
+  ``RWF_NOWAIT`` probe tells which; parallel streams were slower than one on a cold disk).
+* device caches are read into host staging and copied into the blocks with torch, layer
+  i+1 read while layer i is copied.
+
+It returns only when every read has ended: the blocks of a failed file are recomputed, and
+no straggler may write into them afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Executor, Future, wait
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from vllm_kvdisk.storage.fileread import (
+    Meta,
+    pages_cached,
+    read_layer_parts,
+    read_layers_into,
+    read_meta,
+    read_token_range,
+    read_tokens,
+)
+from vllm_kvdisk.core.format import FormatError
+from vllm_kvdisk.connector.jobs import LoadFile, LoadJob
+from vllm_kvdisk.connector.staging import StagingPool
+from vllm_kvdisk.storage.store import Store
+from vllm_kvdisk.connector.transfer import PageMover
+
+
+# Files of a chain open at once: each batch is checked whole, then read, then closed, so a
+# chain of any length restores completely with a bounded number of descriptors.
+BATCH_FILES = 256
+# Pages a restore does not use (before or past the prompt's part of a file) are read only
+# for their layer's checksum, through at most this much scratch per read.
+SCRATCH_BYTES = 16 << 20
+
+
+class OpenFailed(Exception):
+    """A file of the chain failed its checks (``error``), with the inode it had and, when
+    it is proven corrupt, its descriptor still open (``fd``, else -1): the quarantine
+    must move the file that was read, and an open descriptor keeps its inode from being
+    reused by a replacement."""
+
+    def __init__(self, error: Exception, inode: int, fd: int = -1):
+        super().__init__(str(error))
+        self.error = error
+        self.inode = inode
+        self.fd = fd
+
+
+class StaleFile(Exception):
+    """The file is sound but not the one the index described (replaced by another process,
+    or it holds other token ids): a miss, not a quarantine."""
+
+
+@dataclass(slots=True)
+class Outcome:
+    blocks: int = 0  # blocks restored
+    bytes_read: int = 0
+    used: list[str] = field(default_factory=list)  # sha1 of every file fully restored
+    failed: LoadFile | None = None  # the first file that could not be used
+    failed_inode: int = 0  # its inode, when it failed while being opened
+    error: Exception | None = None
+    bad_blocks: list[int] = field(default_factory=list)  # engine block ids to recompute
+
+
+@dataclass(slots=True)
+class _Open:
+    file: LoadFile
+    fd: int
+    meta: Meta
+    first_used: int  # request block index of the first block restored from this file
+    targets: list[int]  # engine block ids for blocks [first_used, upto)
+
+
+class Restorer:
+    def __init__(self, store: Store, mover: PageMover, staging: StagingPool, readers: Executor,
+                 block_size: int):
+        self.store = store
+        self.mover = mover
+        self.staging = staging
+        self.readers = readers
+        self.block_size = block_size
+
+    def load(self, ns: str, fingerprint: bytes, job: LoadJob,
+             on_corrupt: Callable[[str, str, int], None] | None = None) -> Outcome:
+        """Restore ``job``; ``on_corrupt(sha1, why, inode)`` is called for a file proven
+        corrupt while it is still open (so a replacement written meanwhile under the same
+        name, even on a reused inode, is never the one quarantined)."""
+        out = Outcome()
+        expected = np.frombuffer(job.token_ids, dtype="<u4")
+        for at in range(0, len(job.files), BATCH_FILES):
+            if not self._load_batch(ns, fingerprint, job, job.files[at:at + BATCH_FILES],
+                                    expected, out, on_corrupt):
+                break  # this batch failed: its blocks from the failed file on are recomputed
+        if out.failed is not None:
+            bs = self.block_size
+            first_bad = max(out.failed.start // bs, job.start_block)
+            out.bad_blocks = job.block_ids[first_bad - job.start_block:]
+        return out
+
+    def _load_batch(self, ns: str, fingerprint: bytes, job: LoadJob, files: list[LoadFile],
+                    expected: np.ndarray, out: Outcome,
+                    on_corrupt: Callable[[str, str, int], None] | None) -> bool:
+        """Check every file of one batch, then read their pages; False if one failed."""
+        opened: list[_Open] = []
+        failed_fd = -1
+        try:
+            for file in files:  # check every file of the batch before reading any page
+                try:
+                    opened.append(self._open(ns, fingerprint, file, job, expected))
+                except OpenFailed as failed:
+                    out.failed, out.error, out.failed_inode = file, failed.error, failed.inode
+                    failed_fd = failed.fd
+                    break
+            results = self._read_all(opened)
+            bad = next((i for i, r in enumerate(results) if r is not None), None)
+            if bad is not None:  # a read failed: it and every later file are recomputed
+                out.failed, out.error = opened[bad].file, results[bad]
+                opened_ok = opened[:bad]
+            else:
+                opened_ok = opened
+            for o in opened_ok:
+                out.blocks += len(o.targets)
+                out.bytes_read += o.meta.offsets.layer_bytes * o.meta.payload.layout.num_layers
+                out.used.append(o.file.sha1)
+            if isinstance(out.error, FormatError) and on_corrupt is not None:
+                failed = next((o for o in opened if o.file is out.failed), None)
+                if failed is not None:
+                    on_corrupt(failed.file.sha1, str(out.error), os.fstat(failed.fd).st_ino)
+                else:  # it failed its checks while being opened (still open: failed_fd)
+                    on_corrupt(out.failed.sha1, str(out.error), out.failed_inode)
+        finally:
+            for o in opened:
+                os.close(o.fd)
+            if failed_fd >= 0:
+                os.close(failed_fd)
+        return out.failed is None
+
+    # -- checks -------------------------------------------------------------------------
+    def _open(self, ns: str, fingerprint: bytes, file: LoadFile, job: LoadJob,
+              expected: np.ndarray) -> _Open:
+        try:
+            fd = self.store.open_file(ns, file.sha1)
+        except Exception as exc:  # noqa: BLE001 - gone, a symlink, an I/O error: a miss
+            raise OpenFailed(exc, 0) from exc
+        inode = 0
+        try:
+            st = os.fstat(fd)
+            inode = st.st_ino
+            # The other TP ranks' files of this checkpoint were never indexed by the
+            # scheduler: their stored ids and header are checked below like every file's.
+            if file.inode and ns == job.indexed_ns and st.st_ino != file.inode:
+                raise StaleFile("replaced by another process since it was indexed")
+            meta = read_meta(fd, st.st_size)
+            h, p = meta.header, meta.payload
+            if (h.tokens, p.parent_tokens) != (file.tokens, file.start):
+                raise StaleFile(f"file holds tokens [{p.parent_tokens}, {h.tokens}), "
+                                f"index said [{file.start}, {file.tokens})")
+            if p.fingerprint != fingerprint:
+                raise FormatError("file belongs to another namespace (model/layout/salt)")
+            if p.layout != self.mover.layout:  # a sound file of an engine that splits blocks
+                # into other kernel blocks (the namespace cannot tell): a miss, not corrupt
+                raise StaleFile(f"page layout {p.layout} != engine's {self.mover.layout}")
+            stored = np.frombuffer(read_token_range(fd, meta.offsets.tokens, 0, file.upto),
+                                   dtype="<u4")
+            if len(expected) < file.upto or not np.array_equal(stored, expected[:file.upto]):
+                read_tokens(fd, meta)  # corrupt ids raise FormatError (checksum) here
+                raise StaleFile("its token ids are not the prompt's")
+            bs = self.block_size
+            first_used = max(file.start // bs, job.start_block)
+            targets = job.block_ids[first_used - job.start_block: file.upto // bs - job.start_block]
+            if len(targets) != file.upto // bs - first_used:
+                raise ValueError("load job has fewer target blocks than the file")
+            return _Open(file, fd, meta, first_used, targets)
+        except Exception as exc:  # noqa: BLE001
+            if isinstance(exc, FormatError):  # kept open until it is quarantined
+                raise OpenFailed(exc, inode, fd) from exc
+            os.close(fd)
+            raise OpenFailed(exc, inode) from exc
+
+    # -- reads --------------------------------------------------------------------------
+    def _read_all(self, opened: list[_Open]) -> list[Exception | None]:
+        """Read every opened file; one result per file (None: restored)."""
+        results: list[Exception | None] = [None] * len(opened)
+        if not self.mover.host_resident:
+            for i, o in enumerate(opened):
+                try:
+                    self._read_staged(o)
+                except Exception as exc:  # noqa: BLE001
+                    results[i] = exc
+                    break
+            return results
+        cold: list[tuple[int, Callable[[], None]]] = []
+        futures = []
+        cached = [pages_cached(o.fd, o.meta) for o in opened]
+        warm_bytes = sum(o.meta.offsets.layer_bytes for o, c in zip(opened, cached) if c)
+        threads = getattr(self.readers, "_max_workers", 1)
+        for i, o in enumerate(opened):
+            if cached[i]:  # in the page cache: every reader thread at once
+                share = o.meta.offsets.layer_bytes / max(1, warm_bytes)
+                tasks = self._direct_tasks(o, groups=max(1, round(threads * share)))
+                futures += [(i, self.readers.submit(task)) for task in tasks]
+            else:
+                cold += [(i, task) for task in self._direct_tasks(o, groups=1)]
+        try:
+            for i, task in cold:  # one sequential stream, in file order
+                if results[i] is None:
+                    try:
+                        task()
+                    except Exception as exc:  # noqa: BLE001
+                        results[i] = exc
+        finally:
+            wait([f for _, f in futures])
+        for i, fut in futures:
+            exc = fut.exception()
+            if exc is not None and results[i] is None:
+                results[i] = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
+        return results
+
+    def _direct_tasks(self, o: _Open, groups: int) -> list[Callable[[], None]]:
+        """Read tasks for one file straight into the host-resident blocks: ``groups``
+        tasks of consecutive layers, one preadv each, when every page is used."""
+        mover, meta = self.mover, o.meta
+        p = meta.payload
+        front = o.first_used - p.first_block  # pages before the used ones
+        back = p.first_block + p.num_blocks - o.file.upto // self.block_size  # after them
+        runs = mover.block_runs(o.targets)
+        n_layers = p.layout.num_layers
+        layers = range(n_layers)
+        if not front and not back:  # every page used
+            groups = min(max(1, groups), n_layers)
+            cuts = [n_layers * g // groups for g in range(groups + 1)]
+
+            def read(first: int, stop: int) -> None:
+                read_layers_into(o.fd, meta, first,
+                                 [mover.host_views(layer, runs) for layer in range(first, stop)])
+
+            return [lambda a=a, b=b: read(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+        parts_bytes = (front * mover.page_bytes, back * mover.page_bytes)
+
+        def one(layer: int) -> None:
+            scratch = self.staging.get(min(sum(parts_bytes), SCRATCH_BYTES))
+            try:
+                read_layer_parts(o.fd, meta, layer, [
+                    (parts_bytes[0], None),
+                    (len(o.targets) * mover.page_bytes, mover.host_views(layer, runs)),
+                    (parts_bytes[1], None)], memoryview(scratch))
+            finally:
+                self.staging.put(scratch)
+
+        return [lambda layer=layer: one(layer) for layer in layers]
+
+    def _read_staged(self, o: _Open) -> None:
+        """Device cache: read the used pages into host staging (the others only through a
+        bounded scratch, for the checksum), then copy them into the blocks. Two sets of
+        buffers, so layer i+1 is read (and checksummed) while layer i is copied."""
+        mover, meta = self.mover, o.meta
+        p = meta.payload
+        pb = mover.page_bytes
+        front = o.first_used - p.first_block
+        used = len(o.targets)
+        parts_bytes = (front * pb, (p.num_blocks - front - used) * pb)
+        scratch_bytes = min(sum(parts_bytes), SCRATCH_BYTES)
+        flats = [self.staging.get(used * pb) for _ in range(2)]
+        scratches = [self.staging.get(scratch_bytes) for _ in range(2)]
+
+        def read(layer: int) -> Future:
+            k = layer % 2
+            parts = [(parts_bytes[0], None), (used * pb, [memoryview(flats[k])]),
+                     (parts_bytes[1], None)]
+            return self.readers.submit(read_layer_parts, o.fd, meta, layer, parts,
+                                       memoryview(scratches[k]))
+        pending = None
+        try:
+            pending = read(0)
+            for layer in range(p.layout.num_layers):
+                pending.result()
+                if layer + 1 < p.layout.num_layers:
+                    pending = read(layer + 1)
+                mover.scatter(layer, o.targets, flats[layer % 2].reshape(used, pb))
+        finally:
+            if pending is not None:
+                wait([pending])  # never recycle a buffer a read is still filling
+            for buf in flats + scratches:
+                self.staging.put(buf)

@@ -1,0 +1,403 @@
+"""Scheduler half of the connector: lookups, load jobs and save jobs.
+
+Runs in vLLM's EngineCore process; each public method is the vLLM hook of the same name
+(the facade delegates one line each). It decides from the index (``planner``,
+``saverules``, ``policy``: pure, unit-tested), never writes checkpoint files itself (the
+worker copies and writes, and its per-step :class:`WorkerReport` tells the index what
+landed), and leaves explanations that read files to ``diagnose`` on a background thread.
+
+Invariants:
+* ``get_num_new_matched_tokens`` answers from a memo of its own lookup; refreshing the
+  index (files other processes wrote or removed; a new file proven corrupt is quarantined
+  then) is its only other effect.
+* A hit is always block-aligned, beyond what the GPU prefix cache holds, below the full
+  prompt, and asynchronous. When a request may load or save is ``lifecycle``'s to say
+  (a request whose load failed is never offered the disk again).
+* Nothing a client or the storage can cause escapes a hook: it is counted
+  (``vllm:kvdisk_errors_total{hook}``), logged, and the request is served without the cache.
+  A request that was promised a load always gets a load job (possibly one that fails at
+  once), so it never waits forever.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+from vllm_kvdisk.core.config import KVDiskConfig
+from vllm_kvdisk.core.control import RequestControl, tool_entries
+from vllm_kvdisk.ops.diagnose import Diagnostics, LookupReport
+from vllm_kvdisk.connector.events import DiskEvents
+from vllm_kvdisk.core.format import Reason
+from vllm_kvdisk.core.index import Lookup, Miss
+from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta, WorkerReport
+from vllm_kvdisk.core.keys import Fingerprint, Grid, as_token_array, salt_digest
+from vllm_kvdisk.core.lifecycle import RequestState
+from vllm_kvdisk.core.logs import get_logger
+from vllm_kvdisk.ops.metrics import KVDiskStats, StatsRecorder, guarded
+from vllm_kvdisk.core.planner import Planner, Prompt
+from vllm_kvdisk.core.policy import LoadCostModel
+from vllm_kvdisk.core.saverules import SaveRules
+from vllm_kvdisk.storage.store import Store
+from vllm_kvdisk.core.tokens import TokenTable
+from vllm_kvdisk.ops.trace import Trace
+
+log = get_logger(__name__)
+
+REFRESH_INTERVAL_S = 2.0
+
+
+class SchedulerSide:
+    def __init__(self, config: KVDiskConfig, fingerprint: Fingerprint, table: TokenTable,
+                 block_size: int, context_size: int, *, events: bool = False,
+                 workers: int = 1):
+        self.config = config
+        self.workers = workers  # every worker confirms each save job's copy once
+        self.base_fp = fingerprint
+        self.table = table
+        self.block_size = block_size
+        self.context_size = context_size
+        grid = Grid(config.kv_cache_boundary_align_tokens, config.kv_cache_boundary_trim_tokens,
+                    block_size)
+        self.rules = SaveRules(grid, config.kv_cache_min_tokens, config.kv_cache_cold_max_tokens,
+                               config.kv_cache_continued_interval_tokens,
+                               config.kv_cache_tail_checkpoints)
+        self.stats = StatsRecorder()
+        self.store = Store.from_config(config)
+        started = time.monotonic()
+        self.store.scan()
+        self.planner = Planner(self.store.index, block_size, self.store.read_ids,
+                               config.kv_cache_min_tokens)
+        self.trace = Trace.from_config(config)
+        self.diagnostics = Diagnostics()
+        self.report = LookupReport(self.store, table, self.stats, self.trace, self.diagnostics)
+        self.cost = LoadCostModel()
+        self.events = DiskEvents(events, block_size)
+        self._reqs: dict[str, RequestState] = {}
+        self._loads: list[LoadJob] = []
+        self._saves: list[SaveJob] = []
+        self._holds: list[str] = []  # finished requests held for their copies, to tell workers
+        self._held: set[str] = set()  # ... until their finished_sending arrives
+        self._ns_cache: dict[tuple[str, str], str] = {}
+        self._last_refresh = 0.0
+        self._stale: set[str] = set()  # namespaces to re-list at the next lookup
+        self._quarantined_seen = 0
+        self._shutdown_requested = False
+        self._shutdown_saved = False
+        self._watch_shutdown()
+        self.kv_cache_manager: Any = None
+        log.info("kvdisk: %d checkpoint(s), %.1f MiB of %d MiB budget in %s (scanned in %.2f s)",
+                 len(self.store.index), self.store.index.total_bytes / 2**20,
+                 config.kv_disk_space_mb, self.store.root, time.monotonic() - started)
+
+    def _watch_shutdown(self) -> None:
+        """Learn when vLLM's engine process is told to stop, to checkpoint running requests.
+
+        vLLM installs its SIGTERM/SIGINT handlers in the engine process before it builds the
+        scheduler; we chain ours in front of them. An in-process engine (default handlers)
+        is left alone: its owner's signals are not ours to take.
+        """
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                previous = signal.getsignal(sig)
+                if not callable(previous) or previous is signal.default_int_handler:
+                    continue
+
+                def handler(signum: int, frame: Any, previous: Any = previous) -> None:
+                    self._shutdown_requested = True
+                    previous(signum, frame)
+
+                signal.signal(sig, handler)
+            except ValueError:  # not the main thread
+                return
+
+    # -- requests ---------------------------------------------------------------------
+    def _ns(self, scope: Scope) -> str:
+        key = (scope.lora, scope.salt_digest)
+        if key not in self._ns_cache:
+            self._ns_cache[key] = self.base_fp.scoped(scope.lora, scope.salt_digest).dirname()
+        return self._ns_cache[key]
+
+    def _state(self, request: Any) -> RequestState:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            lora = getattr(request, "lora_request", None)
+            scope = Scope(lora=(getattr(lora, "lora_name", "") or "") if lora else "",
+                          salt_digest=salt_digest(getattr(request, "cache_salt", None)))
+            control = RequestControl.from_request(request)
+            st = RequestState(request, scope, self._ns(scope), control)
+            self._reqs[request.request_id] = st
+        return st
+
+    def _refresh(self, ns: str) -> None:
+        """Pick up files written since the last look: at most every 2 s, but at once while
+        our own saves are in flight (a worker may have landed one whose report has not
+        reached us yet) or a worker found the index stale; one stat of the directory when
+        nothing changed."""
+        now = time.monotonic()
+        stale = ns in self._stale
+        if stale or self.store.index.has_pending() or now - self._last_refresh >= REFRESH_INTERVAL_S:
+            self._last_refresh = now
+            self._stale.discard(ns)
+            self.store.refresh(ns, force=stale)
+
+    # -- lookups ----------------------------------------------------------------------
+    @guarded("get_num_new_matched_tokens", lambda: (0, False))
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._state(request)
+        if not st.may_load or request.prompt_token_ids is None:
+            return 0, False
+        usable = request.num_tokens - 1  # vLLM always computes at least one prompt token
+        memo_key = (num_computed_tokens, usable)
+        if not st.control.load:  # the request asked not to load: a miss, said as such
+            st.memo, st.memo_key, st.memo_ids = Lookup(miss=Miss.SKIPPED), memo_key, None
+            return 0, False
+        if st.memo_key != memo_key:
+            self._refresh(st.ns)
+            ids = as_token_array(request.prompt_token_ids[:usable])
+            st.memo, st.memo_key, st.memo_ids = self.planner.lookup(st.ns, ids, usable), memo_key, ids
+            st.declined = None
+            if self.config.kv_disk_load_policy == "auto" and st.memo.tokens > num_computed_tokens:
+                self._apply_policy(st, num_computed_tokens)
+        hit = st.memo.tokens if st.memo else 0
+        if hit <= num_computed_tokens:
+            return 0, False
+        return hit - num_computed_tokens, True
+
+    def _apply_policy(self, st: RequestState, num_computed: int) -> None:
+        """Cut the chain to the part that is cheaper to load than to recompute (a file is
+        read whole even when only part of it is used)."""
+        lookup = st.memo
+        segments = lookup.segments
+        below = sum(1 for s in segments if s.upto <= num_computed)
+        costs = [(s.entry.size, s.upto - max(s.entry.parent_tokens, num_computed))
+                 for s in segments[below:]]
+        decision = self.cost.choose(costs)
+        if decision.probe:
+            self.trace.probe(segments[-1].entry.sha1, decision.load_s, decision.recompute_s)
+        if decision.files < len(costs):
+            st.memo = lookup.cut(below + decision.files, Miss.CHEAPER_TO_RECOMPUTE)
+            st.declined = decision
+
+    @guarded("update_state_after_alloc", lambda: None)
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None or st.memo is None:
+            return
+        lookup, ids = st.memo, st.memo_ids
+        on_device = st.memo_key[0] if st.memo_key else 0
+        st.admitted(loading=num_external_tokens > 0)
+        if num_external_tokens <= 0:
+            self.stats.add("tokens_looked_up", request.num_prompt_tokens)
+            self.report.no_load(st.ns, lookup, ids, on_device, st.declined)
+            return
+        hit = lookup.tokens
+        local = hit - num_external_tokens
+        bs = self.block_size
+        start, end = local // bs, hit // bs
+        try:
+            block_ids = list(blocks.get_block_ids()[0][start:end])
+            files = [LoadFile(s.entry.sha1, s.entry.parent_tokens, s.upto, s.entry.tokens,
+                              s.entry.inode) for s in lookup.segments if s.upto > local]
+            job = LoadJob(request.request_id, st.scope, files, start, block_ids,
+                          ids[:hit].astype("<u4").tobytes(), indexed_ns=st.ns)
+        except Exception as exc:  # noqa: BLE001 - the request must still get its answer
+            self.stats.count("errors", "update_state_after_alloc")
+            log.exception("kvdisk: planning the load of %s failed", request.request_id)
+            job = LoadJob(request.request_id, st.scope, [], start,
+                          list(blocks.get_block_ids()[0][start:end]), fail=str(exc))
+        self._loads.append(job)
+        self.stats.add("tokens_looked_up", request.num_prompt_tokens)
+        self.report.hit(st.ns, lookup, ids, local, num_external_tokens, len(job.files))
+
+    # -- saves ------------------------------------------------------------------------
+    def _plan_saves(self, st: RequestState, due: list[tuple[int, Reason]],
+                    block_ids: list[int]) -> bool:
+        """Plan the due saves of one request; True if any was planned."""
+        request = st.request
+        cap = st.control.max_save_tokens
+        if cap is not None:  # positions past the cap become one checkpoint at the cap
+            at_cap = self.rules.grid.block_floor(cap)
+            due = sorted({(min(length, at_cap), reason) for length, reason in due
+                          if min(length, at_cap) >= self.rules.min_tokens})
+        if not due or not st.control.save:
+            return False
+        top = max(length for length, _ in due)
+        ids = request.all_token_ids[:top]
+        if len(ids) < top:
+            return False
+        prompt = Prompt(self.table, ids)
+        planned = False
+        grid = self.rules.grid
+        on_grid = grid.is_position
+        for length, reason in due:
+            plan = self.planner.plan_save(st.ns, prompt, length, reason,
+                                          spine=on_grid if on_grid(length) else None)
+            if plan is None:
+                continue
+            bs = self.block_size
+            owned = block_ids[plan.parent_tokens // bs: length // bs]
+            if len(owned) != (length - plan.parent_tokens) // bs:
+                continue
+            if not self.planner.reserve(plan, prompt, int(time.time())):
+                continue
+            try:
+                self.events.planned((plan.ns, plan.sha1), request, plan.parent_tokens, length,
+                                    st.scope.lora)
+                text = prompt.text_upto(length)
+                self._saves.append(SaveJob(
+                    request.request_id, st.scope, plan, list(owned), text,
+                    prompt.ids[:length].astype("<u4").tobytes(), self.context_size,
+                    tool_map=tool_entries(st.control, text)))
+                st.copies_out += self.workers
+            except Exception:
+                # A reservation nobody will report keeps has_pending_push_work() true and
+                # the engine stepping empty batches forever: give it back first.
+                self.store.index.release(plan.ns, plan.sha1)
+                self.events.dropped((plan.ns, plan.sha1))
+                raise
+            planned = True
+        return planned
+
+    def _block_ids(self, req_id: str) -> list[int]:
+        if self.kv_cache_manager is None:
+            return []
+        return list(self.kv_cache_manager.get_block_ids(req_id)[0])
+
+    @guarded("build_connector_meta", lambda: StepMeta())
+    def build_connector_meta(self, scheduler_output: Any) -> StepMeta:
+        # Loads first: a request promised a load must get its job even if planning
+        # saves fails below.
+        meta = StepMeta(self._loads, [], scheduler_output.total_num_scheduled_tokens)
+        self._loads = []
+        try:
+            for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
+                st = self._reqs.get(req_id)
+                if st is None or not st.may_save:
+                    continue
+                request = st.request
+                before = request.num_computed_tokens
+                due = self.rules.on_step(request.num_prompt_tokens, before, before + n_sched)
+                if due:
+                    self._plan_saves(st, due, self._block_ids(req_id))
+            if self._shutdown_requested and not self._shutdown_saved:
+                self._shutdown_saved = True
+                self._checkpoint_running()
+        except Exception:  # noqa: BLE001 - saves are optional; the loads above are not
+            self.stats.count("errors", "build_connector_meta")
+            log.exception("kvdisk: planning saves failed")
+        meta.saves, self._saves = self._saves, []
+        meta.holds, self._holds = self._holds, []
+        meta.flush = [r for r in scheduler_output.preempted_req_ids or () if r in self._reqs]
+        return meta
+
+    def _checkpoint_running(self) -> None:
+        """Shutdown saves: every running request's computed prefix, in case the drain
+        that follows does not finish before the engine is killed."""
+        for req_id, st in self._reqs.items():
+            if not st.computing:
+                continue
+            due = self.rules.on_shutdown(st.request.num_computed_tokens)
+            if due:
+                self._plan_saves(st, due, self._block_ids(req_id))
+
+    @guarded("request_finished", lambda: (False, None))
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        st = self._reqs.pop(request.request_id, None)
+        if st is None or not st.may_save:
+            # A request aborted mid-load is released by its finished_recving, never here.
+            return False, None
+        computed = min(request.num_computed_tokens, len(block_ids) * self.block_size)
+        self._plan_saves(st, self.rules.on_finished(computed), list(block_ids))
+        if not st.holds_blocks:
+            return False, None
+        # Some copy of its pages may still run (copies run after the step that planned
+        # them): the blocks stay until the workers name the request in finished_sending.
+        self._holds.append(request.request_id)
+        self._held.add(request.request_id)
+        return True, None
+
+    # -- worker feedback --------------------------------------------------------------
+    @guarded("update_connector_output", lambda: None)
+    def update_connector_output(self, output: Any) -> None:
+        self._held.difference_update(output.finished_sending or ())
+        report = output.kv_connector_worker_meta
+        for req_id in report.copied if isinstance(report, WorkerReport) else ():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.copies_out -= 1
+        for req_id in output.finished_recving or ():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.load_finished()
+        report = output.kv_connector_worker_meta
+        if not isinstance(report, WorkerReport):
+            return
+        # Failed loads come in our report, not vLLM's ``failed_recving``: that one makes
+        # vLLM recompute the whole request, the invalid block ids only what was lost.
+        for req_id in report.failed_loads:  # vLLM re-queues it to recompute: no new load
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.load_failed()
+        index = self.store.index
+        for entry in report.written:
+            index.add(entry)
+            self.events.landed(entry.key)
+        for ns, sha1 in report.failed_saves:
+            index.release(ns, sha1)
+            self.events.dropped((ns, sha1))
+        for ns, sha1 in report.removed:
+            index.remove(ns, sha1)
+            self.events.removed((ns, sha1))
+            self._stale.add(ns)
+        for nbytes, seconds in report.loads:
+            self.cost.observe_load(nbytes, seconds)
+        for tokens, seconds in report.steps:
+            self.cost.observe_step(tokens, seconds)
+
+    def take_events(self) -> list[Any]:
+        return self.events.take()
+
+    @guarded("reset_cache", lambda: False)
+    def reset_cache(self) -> bool:
+        """Remove this model's checkpoints (every LoRA, salt and TP rank of it) from disk.
+        Each namespace directory is renamed away first, so concurrent readers only miss;
+        its files are deleted by a thread, after the step."""
+        mine = {k: v for k, v in self.base_fp.describe().items()
+                if k not in ("lora", "salt_digest", "tp_rank", "pp_rank", "layers")}
+        removed = spaces = 0
+        for ns in self.store.namespaces():
+            info = self.store.namespace_info(ns)
+            if info is None or any(info.get(k) != v for k, v in mine.items()):
+                continue
+            removed += self.store.remove_namespace(ns, wait=False)  # in the engine's step
+            spaces += 1
+            self.events.removed_namespace(ns)
+        for st in self._reqs.values():
+            st.memo = st.memo_key = st.memo_ids = None
+        log.info("kvdisk: cache reset: %d checkpoint(s) removed in %d namespace(s) of %s",
+                 removed, spaces, self.base_fp.model)
+        return True
+
+    def has_pending_push_work(self) -> bool:
+        # Keep the engine stepping until saves in flight are reported (the index learns
+        # of them, metrics are current, and a SIGTERM drain waits for them) and until held
+        # blocks are given back.
+        return self.store.index.has_pending() or bool(self._held or self._holds)
+
+    def get_kv_connector_stats(self) -> KVDiskStats | None:
+        index, store = self.store.index, self.store
+        self.stats.set("disk_bytes", index.total_bytes)
+        self.stats.set("disk_files", len(index))
+        self.stats.set("disk_budget_bytes", store.space_bytes)
+        new_quarantines = store.stats.quarantined - self._quarantined_seen
+        if new_quarantines:
+            self.stats.add("quarantined", new_quarantines)
+            self._quarantined_seen = store.stats.quarantined
+        return self.stats.snapshot()
+
+    def shutdown(self) -> None:
+        self.diagnostics.close()
+        self.trace.close()
+        self.store.close()

@@ -1,0 +1,108 @@
+"""Build a connector half from vLLM's configuration (the one place that reads it).
+
+The scheduler half needs the tokenizer (to render file names and texts), the worker half
+the page layout; both need the same namespace fingerprint: model identity (weights, not
+only the name: ``identity``), KV dtype (vLLM's ``--kv-cache-dtype``), layout and page
+geometry, block size, TP shape and KV shard, pipeline stage and its layers. What kvdisk
+cannot serve exactly is refused here, at start-up (``compat``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from vllm_kvdisk.core.compat import (Placement, UnsupportedConfig, check_context_parallel, check_kv_dtype,
+                                kv_dtype_identity, kv_shard, layer_range, tp_replicas)
+from vllm_kvdisk.core.config import KVDiskConfig, load_config
+from vllm_kvdisk.core.identity import model_identity
+from vllm_kvdisk.core.keys import Fingerprint
+from vllm_kvdisk.core.tokens import TokenTable, table_from_tokenizer
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from vllm_kvdisk.connector.scheduler import SchedulerSide
+    from vllm_kvdisk.connector.worker import WorkerSide
+
+
+def engine_config(vllm_config: VllmConfig) -> KVDiskConfig:
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    return load_config(extra, os.environ)
+
+
+def engine_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
+                       tp_rank: int, pp_rank: int = 0) -> tuple[Fingerprint, Placement]:
+    """Everything that makes this engine's pages (in)compatible with a file's pages, or
+    UnsupportedConfig naming the setting that kvdisk cannot serve exactly."""
+    from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    from vllm_kvdisk.connector.transfer import dtype_name
+
+    cache, parallel = vllm_config.cache_config, vllm_config.parallel_config
+    if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) != 1:
+        raise UnsupportedConfig("kvdisk supports models with one KV cache group (full attention)")
+    check_context_parallel(getattr(parallel, "decode_context_parallel_size", 1),
+                           getattr(parallel, "prefill_context_parallel_size", 1))
+    check_kv_dtype(str(cache.cache_dtype))  # before the tensor dtype: int8 has no name
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    head_v = getattr(spec, "head_size_v", None) or spec.head_size
+    try:
+        layout = str(cache.get_resolved_kv_cache_layout().name)
+    except Exception:  # noqa: BLE001 - older/newer vLLM: the platform still tells it apart
+        layout = "default"
+    names = list(group.layer_names)
+    model_config = vllm_config.model_config
+    tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    # vLLM counts replicas only where backends publish their shard count; the model's
+    # own shape (MLA, fewer KV heads than ranks) says it too. Both divide tp_size.
+    replicas = max(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1, tp_replicas(
+        tp_size, model_config.get_total_num_kv_heads(), mla=isinstance(spec, MLAAttentionSpec)))
+    shard = kv_shard(tp_rank, tp_size, replicas)
+    kv_dtype = kv_dtype_identity(str(cache.cache_dtype), dtype_name(spec.dtype),
+                                 tuple(getattr(cache, "kv_cache_dtype_skip_layers", ()) or ()))
+    model, revision = model_identity(str(model_config.model), model_config.revision)
+    fp = Fingerprint(
+        model=model, revision=revision, kv_dtype=kv_dtype,
+        layout=f"{current_platform.device_type}:{layout}/"
+               f"L{len(names)}xH{spec.num_kv_heads}xC{spec.head_size + head_v}",
+        block_size=spec.block_size, tp_size=tp_size, tp_rank=shard.index,
+        pp_size=pp_size, pp_rank=pp_rank if pp_size > 1 else 0,
+        layers=layer_range(names) if pp_size > 1 else "")
+    return fp, Placement(tp_rank, pp_rank, shard, tuple(names), kv_cache_config.num_blocks)
+
+
+def token_table_for(vllm_config: VllmConfig) -> TokenTable:
+    from vllm.tokenizers import cached_tokenizer_from_config
+
+    tokenizer = cached_tokenizer_from_config(vllm_config.model_config)
+    if tokenizer is None:
+        raise ValueError("kvdisk needs the tokenizer (do not use --skip-tokenizer-init)")
+    return table_from_tokenizer(tokenizer)
+
+
+def build_scheduler_side(vllm_config: VllmConfig, kv_cache_config: Any) -> SchedulerSide:
+    from vllm_kvdisk.connector.scheduler import SchedulerSide
+
+    # vLLM builds the scheduler's KV cache config from the first worker's: the namespace
+    # of TP rank 0 of pipeline stage 0.
+    fp, _ = engine_fingerprint(vllm_config, kv_cache_config, tp_rank=0)
+    events = getattr(vllm_config, "kv_events_config", None)
+    return SchedulerSide(engine_config(vllm_config), fp, token_table_for(vllm_config),
+                         fp.block_size, vllm_config.model_config.max_model_len,
+                         events=bool(events and events.enable_kv_cache_events),
+                         workers=vllm_config.parallel_config.world_size)
+
+
+def build_worker_side(vllm_config: VllmConfig, kv_cache_config: Any) -> WorkerSide:
+    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+    from vllm_kvdisk.connector.worker import WorkerSide
+
+    fp, placement = engine_fingerprint(vllm_config, kv_cache_config,
+                                       tp_rank=get_tensor_model_parallel_rank(),
+                                       pp_rank=get_pp_group().rank_in_group)
+    return WorkerSide(engine_config(vllm_config), fp, fp.block_size, placement)

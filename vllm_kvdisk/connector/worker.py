@@ -1,0 +1,423 @@
+"""Worker half of the connector: copy pages out, write files, read files back.
+
+Runs in each vLLM worker process; each method is the vLLM hook of the same name (the
+connector facade delegates one line each). The engine step only enqueues work: a copy
+thread gathers a save's pages into host staging after the step (on a GPU, on a side stream
+behind an event recorded after the forward), a write pool encodes and writes them, and a
+load pool of its own reads files back, so a load never waits behind a write or an fsync.
+
+Invariants:
+* A load verifies every file before using it (``restore.Restorer``). A file proven corrupt
+  is quarantined; a sound file that is not what the index said (replaced, other ids) is
+  only dropped from the index. Either way the blocks from it onward are reported as load
+  errors (vLLM recomputes them) and the blocks before it stay valid.
+* ``finished_sending`` only names requests whose blocks the scheduler held (``holds``),
+  and only once no copy of theirs is running: their blocks are never reused under a copy.
+  A preempted request's copies finish in ``handle_preemptions``, before the next forward.
+* Staging held by saves in flight stays under ``kv_disk_staging_inflight_mb``; past it a
+  save is skipped (``busy``), never waited for.
+* A delta is written only while its parent is on disk: after the parent's write in this
+  process, and checked again under the directory lock (``Store.write``).
+* Nothing here raises into the engine: failures are counted, logged and reported.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+import numpy as np
+
+from vllm_kvdisk.storage.budget import SaveSkipped
+from vllm_kvdisk.core.compat import Placement
+from vllm_kvdisk.core.config import KVDiskConfig
+from vllm_kvdisk.core.format import FormatError
+from vllm_kvdisk.core.index import Entry
+from vllm_kvdisk.connector.jobs import LoadJob, SaveJob, Scope, StepMeta, WorkerReport
+from vllm_kvdisk.core.keys import Fingerprint
+from vllm_kvdisk.core.logs import get_logger
+from vllm_kvdisk.ops.metrics import KVDiskStats, StatsRecorder, guarded
+from vllm_kvdisk.core.planner import encode_plan
+from vllm_kvdisk.connector.restore import Restorer
+from vllm_kvdisk.connector.staging import StagingPool
+from vllm_kvdisk.storage.store import Store
+from vllm_kvdisk.ops.trace import Trace
+from vllm_kvdisk.connector.transfer import PageMover, pinned_buffer, unique_layers
+
+log = get_logger(__name__)
+
+FINISHED_MEMORY_STEPS = 4  # finished ids are kept this many steps for a late save job
+IDLE_LOAD_WAIT_S = 0.005  # an empty step waits this long for a load to finish
+
+
+class WorkerSide:
+    def __init__(self, config: KVDiskConfig, fingerprint: Fingerprint, block_size: int,
+                 placement: Placement = Placement()):
+        self.config = config
+        self.stats = StatsRecorder()
+        self.placement = placement
+        # Token counts are per engine: only its first worker counts them (bytes are per
+        # rank, summed).
+        self._counts_tokens = placement.tp_rank == 0 and placement.pp_rank == 0
+        self.base_fp = fingerprint
+        self.block_size = block_size
+        self.trace = Trace.from_config(config)
+        self.store = Store.from_config(config, on_evict=self._on_evict)
+        # Loads never wait behind a save's write or fsync: each has its own threads. One
+        # copy thread takes page copies off the engine step, in order.
+        self.pool = ThreadPoolExecutor(config.kv_disk_io_threads, thread_name_prefix="kvdisk-write")
+        self._load_pool = ThreadPoolExecutor(config.kv_disk_io_threads,
+                                             thread_name_prefix="kvdisk-load")
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvdisk-copy")
+        self.staging = StagingPool(config.kv_disk_staging_mb * 1024 * 1024)
+        self._readers = ThreadPoolExecutor(config.kv_disk_io_threads, thread_name_prefix="kvdisk-read")
+        self.mover: PageMover | None = None
+        self.restorer: Restorer | None = None
+        self._lock = threading.Lock()
+        self._report = WorkerReport()
+        self._loads: dict[str, tuple[Future, LoadJob]] = {}
+        self._load_errors: set[int] = set()
+        self._held: set[str] = set()  # finished requests whose pages were copied out
+        self._finished: deque[set[str]] = deque(maxlen=FINISHED_MEMORY_STEPS)
+        self._inflight: dict[str, tuple[Future, SaveJob]] = {}  # sha1 -> (written?, job)
+        self._copying: dict[str, int] = {}  # req id -> copies not finished
+        self._copy_ended = threading.Condition(self._lock)
+        self._staged = 0  # bytes of staging held by saves in flight
+        self._staging_cap = config.kv_disk_staging_inflight_mb << 20
+        self._step: tuple[int, float] = (0, 0.0)  # (tokens, start) of the step in flight
+
+    # -- setup ------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        place = self.placement
+        missing = sorted(set(place.layer_names) - set(kv_caches))
+        if missing:  # another stage's layers: its files would restore into the wrong layers
+            raise ValueError(f"kvdisk: the KV caches registered lack {len(missing)} layer(s) "
+                             f"of this worker's KV cache config, e.g. {missing[0]}")
+        layers = [t for _, t in unique_layers(kv_caches)]
+        self.mover = PageMover(layers, self.block_size, self.base_fp.layout.split("/")[0],
+                               num_blocks=place.num_blocks, tp_rank=place.shard.index,
+                               tp_size=place.shard.count)
+        if self.mover.device.type == "cuda":
+            self.staging.allocate = pinned_buffer  # device copies want page-locked memory
+        self.restorer = Restorer(self.store, self.mover, self.staging, self._readers,
+                                 self.block_size)
+        self.store.scan()
+        self._shorten_gil_switch()
+        log.info("kvdisk worker: %d layers, page %d bytes, %d checkpoint(s) on disk",
+                 len(layers), self.mover.page_bytes, len(self.store.index))
+
+    def _shorten_gil_switch(self) -> None:
+        want = self.config.kv_disk_gil_switch_us / 1e6
+        if want and want < sys.getswitchinterval():
+            log.info("kvdisk: GIL switch interval %.0f -> %.0f us, so I/O threads are not "
+                     "starved by the engine loop", sys.getswitchinterval() * 1e6, want * 1e6)
+            sys.setswitchinterval(want)
+
+    def _fp(self, scope: Scope) -> Fingerprint:
+        return self.base_fp.scoped(scope.lora, scope.salt_digest)
+
+    def _on_evict(self, entry: Entry) -> None:
+        self.stats.add("evictions")
+        with self._lock:
+            self._report.removed.append((entry.ns, entry.sha1))
+        self.trace.evicted(entry.sha1, entry.tokens, entry.size)
+
+    # -- loads ------------------------------------------------------------------------
+    @guarded("start_load_kv", lambda: None)
+    def start_load_kv(self, meta: StepMeta) -> None:
+        for job in meta.loads:
+            try:
+                self._loads[job.req_id] = (self._load_pool.submit(self._load, job), job)
+            except RuntimeError:  # shutting down: recompute
+                done: Future = Future()
+                done.set_result(list(job.block_ids))
+                self._loads[job.req_id] = (done, job)
+
+    def _load(self, job: LoadJob) -> list[int]:
+        """Run one chain load; returns the block ids that could not be loaded."""
+        if job.fail is not None or self.restorer is None:
+            self.stats.count("lookups", "load_failed:")
+            return list(job.block_ids)
+        fp = self._fp(job.scope)
+        ns = fp.dirname()
+        t0 = time.perf_counter()
+        out = self.restorer.load(ns, fp.digest(), job,
+                                 lambda sha1, why, inode: self._quarantine(ns, sha1, why, inode))
+        seconds = time.perf_counter() - t0
+        self._touch_later(ns, out.used)
+        self.stats.add("bytes_read", out.bytes_read)
+        if out.failed is not None:
+            self._load_failed(ns, out.failed.sha1, out.error, len(out.bad_blocks))
+            return out.bad_blocks
+        self.stats.observe("load_seconds", seconds)
+        with self._lock:
+            self._report.loads.append((out.bytes_read, seconds))
+        if self._counts_tokens:
+            self.stats.add("tokens_loaded", out.blocks * self.block_size)
+        sha = job.files[-1].sha1 if job.files else "-"
+        self.trace.loaded(sha, out.blocks * self.block_size, len(job.files), seconds)
+        log.debug("kvdisk: restored %d tokens of %s from %d file(s), %.1f MB in %.1f ms",
+                  out.blocks * self.block_size, job.req_id, len(job.files),
+                  out.bytes_read / 1e6, seconds * 1e3)
+        return []
+
+    def _quarantine(self, ns: str, sha1: str, why: str, inode: int) -> None:
+        if self.store.quarantine(ns, sha1, why, inode=inode or None):
+            self.stats.add("quarantined")
+            self.trace.quarantined(sha1, why)
+
+    def _load_failed(self, ns: str, sha1: str, exc: Exception | None, blocks: int) -> None:
+        """Recompute from this file on; a corrupt one was quarantined already, a stale or
+        unreadable one only leaves the index (the next refresh may find it again)."""
+        self.stats.count("lookups", "load_failed:")
+        if not isinstance(exc, FormatError):
+            log.warning("kvdisk: load of %s skipped: %s", sha1, exc)
+            self.store.forget(ns, sha1)
+        with self._lock:
+            self._report.removed.append((ns, sha1))
+        self.trace.load_failed(sha1, str(exc), blocks)
+
+    def _touch_later(self, ns: str, sha1s: list[str]) -> None:
+        """Hit counts and last-used times, off the restore's critical path."""
+        if not sha1s:
+            return
+        try:
+            self.pool.submit(lambda: [self.store.touch(ns, sha1) for sha1 in sha1s])
+        except RuntimeError:  # shutting down: the pool takes no more work
+            pass
+
+    # -- step timing (for the cost-aware load policy) ---------------------------------
+    def bind_connector_metadata(self, meta: StepMeta) -> None:
+        self._step = (meta.step_tokens, time.perf_counter())
+
+    def _step_computed(self) -> None:
+        tokens, started = self._step
+        if tokens:
+            with self._lock:
+                self._report.steps.append((tokens, time.perf_counter() - started))
+        self._step = (0, 0.0)
+
+    # -- saves ------------------------------------------------------------------------
+    @guarded("wait_for_save", lambda: None)
+    def wait_for_save(self, meta: StepMeta) -> None:
+        """The forward is launched: time it, and hand this step's saves to the copy thread.
+        Nothing here waits for a copy. Their blocks stay valid meanwhile: a running request
+        keeps them, a finished one is held until finished_sending names it (``holds``),
+        and a preempted one is flushed in ``handle_preemptions`` before the next forward."""
+        self._step_computed()
+        self._held.update(meta.holds)
+        for job in meta.saves:
+            if self.placement.shard.writer:
+                self._start_copy(job)
+            else:  # another rank holds and writes these pages
+                self._confirm_copy(job.req_id)
+
+    @guarded("handle_preemptions", lambda: None)
+    def handle_preemptions(self, meta: StepMeta) -> None:
+        """Before this step's forward: the blocks of requests preempted in it are free
+        again, so their copies must be done before anything may write into them."""
+        if meta.flush:
+            with self._copy_ended:
+                self._copy_ended.wait_for(lambda: not self._copying.keys() & set(meta.flush))
+
+    def _start_copy(self, job: SaveJob) -> None:
+        mover = self.mover
+        if mover is None:
+            self._save_failed(job, "KV caches not registered")
+            self._confirm_copy(job.req_id)
+            return
+        nbytes = len(job.block_ids) * mover.page_bytes * mover.layout.num_layers
+        with self._lock:
+            staged = self._staged
+            busy = staged + nbytes > self._staging_cap
+            if not busy:
+                self._staged += nbytes
+                self._copying[job.req_id] = self._copying.get(job.req_id, 0) + 1
+            parent = self._inflight.get(job.plan.parent) if job.plan.parent else None
+            done: Future = Future()
+            if not busy:
+                self._inflight[job.plan.sha1] = (done, job)
+        if busy:  # the disk is slower than the saves: skip one rather than grow memory
+            self._save_failed(job, f"{staged >> 20} MiB of saves in flight, cap "
+                              f"{self._staging_cap >> 20} MiB", "busy")
+            self._confirm_copy(job.req_id)
+            return
+        after = mover.mark()  # on a GPU: an event after this step's forward
+        try:
+            self._copier.submit(self._copy, job, nbytes, after, parent[0] if parent else None,
+                                done)
+        except RuntimeError:  # shutting down
+            self._copied(job.req_id)
+            self._end_save(job, [], nbytes, done, False, "the worker is shutting down")
+
+    def _copy(self, job: SaveJob, nbytes: int, after: Any, parent: Future | None,
+              done: Future) -> None:
+        """Copy thread: the pages into staging (pinned memory is allocated here, never on
+        the engine thread), then the write goes to the write pool."""
+        mover = self.mover
+        pages: list[np.ndarray] = []
+        try:
+            per_layer = len(job.block_ids) * mover.page_bytes
+            pages = [self.staging.get(per_layer) for _ in range(mover.layout.num_layers)]
+            mover.gather(job.block_ids, pages, after=after)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("kvdisk: copy-out for %s failed: %s", job.plan.sha1, exc)
+            self._end_save(job, pages, nbytes, done, False, str(exc))
+            return
+        finally:
+            self._copied(job.req_id)  # its blocks may be given back now
+        try:
+            self.pool.submit(self._save, job, pages, nbytes, parent, done)
+        except RuntimeError:  # shutting down
+            self._end_save(job, pages, nbytes, done, False, "the worker is shutting down")
+
+    def drain(self) -> None:
+        """Wait until every save handed over so far is written, skipped or failed."""
+        while True:
+            with self._lock:
+                pending = [done for done, _ in self._inflight.values()]
+            if not pending:
+                return
+            wait(pending)
+
+    def _copied(self, req_id: str) -> None:
+        with self._copy_ended:
+            left = self._copying.get(req_id, 0) - 1
+            if left > 0:
+                self._copying[req_id] = left
+            else:
+                self._copying.pop(req_id, None)
+            self._report.copied.append(req_id)
+            self._copy_ended.notify_all()
+
+    def _confirm_copy(self, req_id: str) -> None:
+        """Tell the scheduler a save job of this request needs its blocks no more (each
+        worker confirms each job once, copied or not)."""
+        with self._lock:
+            self._report.copied.append(req_id)
+
+    def _end_save(self, job: SaveJob, pages: list[np.ndarray], nbytes: int, done: Future,
+                  ok: bool, why: str | None = None) -> None:
+        """A save is over (written, skipped or failed): give back its memory, tell the
+        children waiting on it."""
+        if why is not None:
+            self._save_failed(job, why)
+        for buf in pages:
+            self.staging.put(buf)
+        with self._lock:
+            self._inflight.pop(job.plan.sha1, None)
+            self._staged -= nbytes
+        done.set_result(ok)
+
+    def _save_failed(self, job: SaveJob, why: str, skipped: str | None = None) -> None:
+        if skipped:
+            self.stats.count("saves_skipped", skipped)
+        else:
+            self.stats.add("save_failures")
+        with self._lock:
+            self._report.failed_saves.append((job.plan.ns, job.plan.sha1))
+        self.trace.save_failed(job.plan.reason.name.lower(), job.plan.sha1, why, skipped)
+
+    def _protected(self) -> set[tuple[str, str]]:
+        """Files this process is about to extend: the parents of saves in flight."""
+        with self._lock:
+            return {(j.plan.ns, j.plan.parent) for _, j in self._inflight.values() if j.plan.parent}
+
+    def _save(self, job: SaveJob, pages: list[np.ndarray], nbytes: int, parent: Future | None,
+              done: Future) -> None:
+        ok = False
+        try:
+            ok = self._write(job, pages, parent)
+        finally:
+            self._end_save(job, pages, nbytes, done, ok)
+
+    def _write(self, job: SaveJob, pages: list[np.ndarray], parent: Future | None) -> bool:
+        plan = job.plan
+        try:
+            if parent is not None and not parent.result():
+                self._save_failed(job, "its parent was not written", "parent_gone")
+                return False
+            t0 = time.perf_counter()
+            fp = self._fp(job.scope)
+            ns = self.store.ensure_namespace(fp)
+            mover = self.mover
+            encoded = encode_plan(plan, text=job.text, ids=job.token_ids,
+                                  layers=[memoryview(p).cast("B") for p in pages],
+                                  layout=mover.layout, fingerprint=fp.digest(),
+                                  kv_dtype=mover.layout.dtype, context_size=job.context_size,
+                                  now=int(time.time()), tool_map=job.tool_map)
+            entry = self.store.write(ns, plan.sha1, encoded, protect=self._protected())
+        except SaveSkipped as exc:
+            self._save_failed(job, exc.detail, exc.reason)
+            return False
+        except Exception as exc:  # noqa: BLE001 - a failed save only costs a future miss
+            log.warning("kvdisk: save of %s failed: %s", plan.sha1, exc)
+            self._save_failed(job, str(exc))
+            return False
+        with self._lock:
+            self._report.written.append(entry)
+        seconds = time.perf_counter() - t0
+        self.stats.observe("save_seconds", seconds)
+        self.stats.count("saves", plan.reason.name.lower())
+        self.stats.add("bytes_written", entry.size)
+        self.trace.saved(plan.reason.name.lower(), plan.sha1, plan.tokens, entry.size, seconds)
+        log.debug("kvdisk: saved %s tokens %d..%d of %s (%s), %.1f MB in %.1f ms",
+                  plan.sha1[:12], plan.parent_tokens, plan.tokens, job.req_id,
+                  plan.reason.name.lower(), entry.size / 1e6, seconds * 1e3)
+        return True
+
+    # -- step results -----------------------------------------------------------------
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._loads and self._step[0] == 0:  # the step in flight computes nothing
+            # Nothing else runs in this step: sleep on the loads (a little) instead of
+            # letting the engine spin through empty steps, which takes the cores the reads
+            # need. A request arriving meanwhile waits at most IDLE_LOAD_WAIT_S.
+            wait([fut for fut, _ in self._loads.values()], timeout=IDLE_LOAD_WAIT_S,
+                 return_when=FIRST_COMPLETED)
+        self._finished.append(set(finished_req_ids))
+        recent = set().union(*self._finished)
+        with self._lock:  # held blocks go back once no copy of the request is running
+            sending = {req for req in self._held & recent if req not in self._copying}
+        self._held -= sending
+        recving = set()
+        for req_id, (fut, job) in list(self._loads.items()):
+            if fut.done():
+                del self._loads[req_id]
+                recving.add(req_id)
+                try:
+                    bad = fut.result()
+                except Exception as exc:  # noqa: BLE001 - recompute everything it covered
+                    log.warning("kvdisk: load for %s crashed: %s", req_id, exc)
+                    bad = job.block_ids
+                if bad:
+                    self._load_errors.update(bad)
+                    with self._lock:  # in the same step as finished_recving
+                        self._report.failed_loads.append(req_id)
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    @guarded("build_connector_worker_meta", lambda: None)
+    def build_connector_worker_meta(self) -> WorkerReport | None:
+        with self._lock:
+            report, self._report = self._report, WorkerReport()
+        return report if report else None
+
+    def get_kv_connector_stats(self) -> KVDiskStats | None:
+        self.stats.set("pending_writes", len(self._inflight))
+        return self.stats.snapshot()
+
+    def shutdown(self) -> None:
+        """Flush: every save already handed over is copied and written before we return."""
+        self._copier.shutdown(wait=True)
+        self.pool.shutdown(wait=True)
+        self._load_pool.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+        self.trace.close()
+        self.store.close()

@@ -1,0 +1,152 @@
+"""Keys and checkpoint positions.
+
+* The key of a checkpoint is the hex SHA1 of the rendered text of its tokens (the token
+  table, ``tokens.py``); its file is ``<sha1>.kv``. Identity is always the token ids.
+* ds4's grid ``L_k = align_down(k * align - trim, block)`` gives the shared meeting points
+  of conversations; tail checkpoints sit at any block boundary (see ``saverules``).
+* A namespace isolates everything that makes KV pages incompatible or private: the model
+  and its revision, KV dtype, page layout, block size, TP shape, format version, the LoRA
+  adapter and the cache salt. Two namespaces never share a file.
+
+Pure: standard library, numpy and xxhash only.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import json
+from dataclasses import asdict, dataclass, replace
+from typing import Mapping, Sequence
+
+import numpy as np
+import xxhash
+
+from vllm_kvdisk.core.format import FORMAT_VERSION
+
+
+def align_down(value: int, multiple: int) -> int:
+    return (value // multiple) * multiple
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    """The positions where checkpoints may exist, in tokens."""
+
+    align: int
+    trim: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.align < 1 or self.block_size < 1 or not 0 <= self.trim < self.align:
+            raise ValueError(f"invalid checkpoint grid {self}")
+
+    def position(self, k: int) -> int:
+        return align_down(k * self.align - self.trim, self.block_size)
+
+    def positions_upto(self, limit: int) -> list[int]:
+        """Distinct, increasing, positive grid positions <= limit."""
+        out: list[int] = []
+        k = 1
+        while True:
+            pos = self.position(k)
+            if pos > limit:
+                return out
+            if pos > 0 and (not out or pos != out[-1]):
+                out.append(pos)
+            k += 1
+
+    def floor(self, limit: int) -> int:
+        """The deepest grid position <= limit (0 if none)."""
+        if limit <= 0:
+            return 0
+        k = (limit + self.trim) // self.align + 1  # position(k) >= k*align - trim - block
+        while k > 0 and self.position(k) > limit:
+            k -= 1
+        return max(0, self.position(k)) if k > 0 else 0
+
+    def is_position(self, tokens: int) -> bool:
+        """Whether ``tokens`` is a grid position."""
+        return tokens > 0 and self.floor(tokens) == tokens
+
+    def block_floor(self, tokens: int) -> int:
+        return align_down(max(0, tokens), self.block_size)
+
+
+def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    if isinstance(tokens, np.ndarray):
+        return tokens.astype(np.uint32, copy=False)
+    try:  # array('I') converts a Python list about 4x faster than numpy does
+        return np.frombuffer(array.array("I", tokens), dtype=np.uint32)
+    except (OverflowError, TypeError):
+        raise ValueError("token ids must be integers in 0 .. 2^32-1") from None
+
+
+def token_digest(tokens: np.ndarray) -> int:
+    """xxh3-64 of token ids as little-endian u32: the identity check beside the text key."""
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(tokens, dtype="<u4").tobytes())
+
+
+@dataclass(frozen=True, slots=True)
+class Fingerprint:
+    """What must be equal for KV pages to be interchangeable (plus privacy scopes)."""
+
+    model: str
+    revision: str
+    kv_dtype: str
+    layout: str
+    block_size: int
+    tp_size: int
+    tp_rank: int  # the KV shard: ranks that hold equal pages (MLA, replicated heads) share it
+    lora: str = ""
+    # Only the salt's digest is kept: the salt itself is a secret of its tenant.
+    salt_digest: str = ""
+    format_version: int = FORMAT_VERSION
+    # A pipeline stage holds only its layers: the stage and its layer range. Left out of
+    # the identity at PP 1, so a single-stage engine keeps the namespaces it always had.
+    pp_size: int = 1
+    pp_rank: int = 0
+    layers: str = ""
+
+    def canonical(self) -> bytes:
+        return json.dumps(self.describe(), sort_keys=True, separators=(",", ":")).encode()
+
+    def digest(self) -> bytes:
+        return hashlib.sha256(self.canonical()).digest()
+
+    def dirname(self) -> str:
+        return self.digest().hex()[:16]
+
+    def describe(self) -> dict[str, object]:
+        out = asdict(self)
+        if self.pp_size == 1:
+            for key in ("pp_size", "pp_rank", "layers"):
+                del out[key]
+        return out
+
+    def scoped(self, lora: str, salt_digest: str) -> Fingerprint:
+        """The namespace of one LoRA adapter and cache salt on this engine."""
+        return replace(self, lora=lora, salt_digest=salt_digest)
+
+
+def rank_group(info: Mapping[str, object]) -> str | None:
+    """The rank group of a namespace from what its ``namespace.json`` says: equal for the
+    namespaces of all ranks of one engine (TP shards and pipeline stages: everything but
+    ``tp_rank``, ``pp_rank`` and ``layers`` equal), None for a single-rank engine or a
+    description that is not ours."""
+    try:
+        if int(info.get("tp_size", 1)) * int(info.get("pp_size", 1)) <= 1:  # type: ignore[call-overload]
+            return None
+    except (TypeError, ValueError, OverflowError):
+        return None
+    rest = {k: v for k, v in info.items() if k not in ("tp_rank", "pp_rank", "layers", "digest")}
+    body = json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(body).hexdigest()[:16]
+
+
+def salt_digest(cache_salt: str | None) -> str:
+    if not cache_salt:
+        return ""
+    # surrogatepass: a client's salt may hold a lone surrogate (valid JSON, not UTF-8).
+    raw = cache_salt.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(b"kvdisk-salt\0" + raw).hexdigest()[:32]

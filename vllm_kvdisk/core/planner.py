@@ -1,0 +1,129 @@
+"""What to load and what to save, decided from token ids alone (no I/O, no vLLM).
+
+:class:`Prompt` is a token sequence with its rendered text on demand (for file names and
+contents, never for lookups). :class:`Planner` answers "which chain restores the deepest
+prefix" and "which file would a save at L write, on top of which parent"; the scheduler
+side of the connector calls it, and the CLI and benchmarks make synthetic checkpoints
+the same way. :func:`encode_plan` is the one encoder of a checkpoint file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from vllm_kvdisk.core.format import Encoded, PageLayout, Payload, Reason, encode_checkpoint
+from vllm_kvdisk.core.index import Entry, IdsReader, Index, Lookup, Miss, head_digest
+from vllm_kvdisk.core.keys import as_token_array, token_digest
+from vllm_kvdisk.core.tokens import TokenTable
+
+
+class Prompt:
+    """Token ids, with the text of any prefix rendered once on demand."""
+
+    __slots__ = ("ids", "_table", "_text", "_ends")
+
+    def __init__(self, table: TokenTable, tokens: Sequence[int] | np.ndarray):
+        self.ids = as_token_array(tokens)
+        self._table = table
+        self._text: bytes | None = None
+        self._ends: np.ndarray | None = None
+
+    def _render(self) -> None:
+        if self._text is None:
+            self._text, self._ends = self._table.render(self.ids)
+
+    @property
+    def text(self) -> bytes:
+        self._render()
+        return self._text  # type: ignore[return-value]
+
+    def text_upto(self, length: int) -> bytes:
+        if not length:
+            return b""
+        self._render()
+        return self._text[: int(self._ends[length - 1])]  # type: ignore[index]
+
+    def sha1_at(self, length: int) -> str:
+        """The seed's key: SHA1 of the rendered text of the first ``length`` tokens."""
+        return hashlib.sha1(self.text_upto(length)).hexdigest()
+
+    def digest(self, length: int) -> int:
+        return token_digest(self.ids[:length])
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    ns: str
+    sha1: str
+    tokens: int
+    parent: str | None
+    parent_tokens: int
+    reason: Reason
+
+
+class Planner:
+    def __init__(self, index: Index, block_size: int, read_ids: IdsReader,
+                 min_tokens: int = 1):
+        self.index = index
+        self.block_size = block_size
+        self.read_ids = read_ids
+        self.min_tokens = min_tokens
+
+    def lookup(self, ns: str, ids: np.ndarray, usable: int) -> Lookup:
+        """Deepest chain for the prompt ``ids`` ending at most at ``usable`` tokens."""
+        if usable - usable % self.block_size < self.min_tokens:
+            return Lookup(miss=Miss.BELOW_MIN_TOKENS)
+        return self.index.lookup(ns, ids, usable, self.block_size, self.read_ids)
+
+    def plan_save(self, ns: str, prompt: Prompt, length: int, reason: Reason,
+                  spine: Callable[[int], bool] | None = None) -> SavePlan | None:
+        """A save of ``prompt[:length]`` (a block boundary) as a delta on the deepest
+        checkpoint on disk or in flight that holds a prefix of it (possibly up to the
+        middle of that file); None when that checkpoint already covers ``length``.
+
+        ``spine``: this save is a grid checkpoint, and ``spine(L)`` tells which positions
+        are on the grid: its parent is then the deepest checkpoint below it *without the
+        tail checkpoints at the end of that chain* (they stay as leaves; the grid file
+        repeats their blocks). So a conversation's chain is its grid checkpoints plus the
+        tails since the last one, however many turns it had."""
+        if length < self.min_tokens or length % self.block_size or length > len(prompt.ids):
+            return None
+        below = self.index.lookup(ns, prompt.ids, length, self.block_size, self.read_ids,
+                                  include_pending=True)
+        if below.tokens >= length:
+            return None
+        segments = below.segments
+        if spine is not None:
+            while segments and segments[-1].whole and not spine(segments[-1].upto):
+                segments = segments[:-1]
+        top = segments[-1] if segments else None
+        return SavePlan(ns, prompt.sha1_at(length), length, top.entry.sha1 if top else None,
+                        top.upto if top else 0, reason)
+
+    def reserve(self, plan: SavePlan, prompt: Prompt, now: int) -> bool:
+        """Make a planned save visible to later plans (as a parent, or a duplicate)."""
+        ids = prompt.ids[: plan.tokens]
+        return self.index.reserve(Entry(
+            plan.ns, plan.sha1, plan.tokens, plan.parent, plan.parent_tokens, plan.reason, 0,
+            now, now, 0, token_digest(ids), head_digest(ids, plan.parent_tokens, self.block_size),
+            ids=ids))
+
+
+def encode_plan(plan: SavePlan, *, text: bytes, ids: np.ndarray | bytes, layers: Sequence,
+                layout: PageLayout, fingerprint: bytes, kv_dtype: str, context_size: int,
+                now: int, tool_map: Sequence[tuple[str, str]] = ()) -> Encoded:
+    """Encode the file of ``plan``; ``layers`` hold the pages of blocks it owns and
+    ``ids`` the token ids of (at least) the whole prefix."""
+    bs = layout.block_size
+    if isinstance(ids, (bytes, bytearray, memoryview)):
+        ids = np.frombuffer(ids, dtype="<u4")
+    tokens = np.ascontiguousarray(ids[: plan.tokens], dtype="<u4")
+    payload = Payload(fingerprint, plan.parent, plan.parent_tokens, plan.parent_tokens // bs,
+                      (plan.tokens - plan.parent_tokens) // bs, layout, token_digest(tokens))
+    return encode_checkpoint(text=text, tokens=tokens.tobytes(), layers=layers, payload=payload,
+                             reason=plan.reason, kv_dtype=kv_dtype, context_size=context_size,
+                             now=now, tool_map=tool_map)

@@ -1,0 +1,68 @@
+"""What to save, at which positions, for which reason: the rules as pure code.
+
+ds4-server saves checkpoints on a grid, ``L_k = align_down(k * align - trim, block)``
+(2048/32 by default): **cold** after a prompt's prefill, **continued** when the computed
+tokens cross a multiple of ``continued_interval``, **evict** when a conversation leaves
+the engine, **shutdown** when the server stops. Grid points are where different
+conversations meet, so they stay.
+
+Because our files are deltas, a checkpoint where the conversation actually is costs only
+its new blocks. With ``tails`` on (the default), cold, evict and shutdown saves also write
+a **tail** checkpoint at the block floor of ``n``: the prompt for cold, the computed
+tokens (prompt + generated) for evict and shutdown. A tail is not trimmed: ds4 trims so
+that a checkpoint ends before the tokens a continuation re-renders differently (the
+generation prompt, a closing tag, a BPE merge across the boundary), because its files hit
+only whole. Our lookup restores any stored prefix up to the first token that differs, so
+an untrimmed tail is never worse than a trimmed one, and reaches the tokens a trimmed one
+would leave to prefill (a returned tool call, the end of a reply). A resumed conversation
+restores everything the server computed up to the first re-rendered token, less than a
+block short at most. With ``tails`` off the rules are exactly ds4's.
+
+Every position is at least ``min_tokens``; cold positions are at most ``cold_max``.
+Positions come out ascending, so a tail is planned after (and as a delta on) the grid
+checkpoint below it. Pure: no vLLM, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_kvdisk.core.format import Reason
+from vllm_kvdisk.core.keys import Grid
+
+
+@dataclass(frozen=True, slots=True)
+class SaveRules:
+    grid: Grid
+    min_tokens: int
+    cold_max: int
+    continued_interval: int
+    tails: bool = True
+
+    def positions(self, tokens: int) -> list[int]:
+        """Where a checkpoint of the first ``tokens`` computed tokens goes."""
+        out = [self.grid.floor(tokens)]
+        if self.tails:
+            out.append(self.grid.block_floor(tokens))
+        return sorted({p for p in out if p >= self.min_tokens and p > 0})
+
+    def on_step(self, prompt_tokens: int, before: int, after: int) -> list[tuple[int, Reason]]:
+        """Saves due when a step takes a request's computed tokens from ``before`` to
+        ``after`` (a prompt of ``prompt_tokens``)."""
+        out: list[tuple[int, Reason]] = []
+        if before < prompt_tokens <= after:  # the prefill completes in this step
+            out += [(p, Reason.COLD) for p in self.positions(prompt_tokens) if p <= self.cold_max]
+        interval = self.continued_interval
+        if after // interval > before // interval:
+            frontier = self.grid.floor(after)
+            if frontier >= self.min_tokens and all(p != frontier for p, _ in out):
+                out.append((frontier, Reason.CONTINUED))
+        return sorted(out)
+
+    def on_finished(self, computed: int) -> list[tuple[int, Reason]]:
+        """Saves due when a request leaves the engine with ``computed`` tokens in its KV."""
+        return [(p, Reason.EVICT) for p in self.positions(computed)]
+
+    def on_shutdown(self, computed: int) -> list[tuple[int, Reason]]:
+        """Saves due for a running request when the server is told to stop."""
+        return [(p, Reason.SHUTDOWN) for p in self.positions(computed)]

@@ -1,0 +1,339 @@
+"""Reading a ``.kv`` file (spec: docs/FORMAT.md; the structures are in ``format``).
+
+* :func:`read_summary`: what an index needs, from the first bytes (a start-up scan).
+* :func:`read_meta`: header, payload header and section sizes, cross-checked; then the
+  sections: text, token ids (verified or a range), tool map, and the layers' pages
+  (:func:`read_layers_into`, each layer verified by its checksum).
+
+Every length is checked against its limit and the file size before anything is read or
+allocated for it; anything wrong raises :class:`~vllm_kvdisk.core.format.FormatError`. Pure:
+standard library and xxhash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+import xxhash
+
+from vllm_kvdisk.core.format import (
+    CHECKSUM,
+    FLAG_DELTA,
+    FLAG_TOOL_MAP,
+    HEADER,
+    MAX_KTM_BYTES,
+    MAX_LAYERS,
+    MAX_TEXT_BYTES,
+    PAGE_ALIGN,
+    PAYLOAD_FIXED,
+    PAYLOAD_MAGIC,
+    PAYLOAD_VERSION,
+    TEXT_LEN,
+    FormatError,
+    Header,
+    Offsets,
+    Payload,
+    Summary,
+    UnsupportedFile,
+    compute_offsets,
+    decode_tool_map,
+    unpack_payload_fixed,
+)
+from vllm_kvdisk.storage.fsdir import IOV_MAX
+
+
+@dataclass(frozen=True, slots=True)
+class Meta:
+    """Everything about a checkpoint file except its text, token ids and pages."""
+
+    header: Header
+    payload: Payload
+    offsets: Offsets
+    text_len: int
+
+
+_SUMMARY = struct.Struct("<4sHH32s20sII")  # magic .. block size (prefix of PAYLOAD_FIXED)
+_LAYERS_AT = 4 + 2 + 2 + 32 + 20 + 4 + 4 + 4 + 4  # u32 layer count inside PAYLOAD_FIXED
+_DIGEST_AT = PAYLOAD_FIXED.size - 16
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+_NO_PARENT = bytes(20)
+
+
+def _pread_exact(fd: int, size: int, offset: int) -> bytes:
+    data = os.pread(fd, size, offset)
+    if len(data) != size:
+        raise FormatError(f"truncated file: wanted {size} bytes at {offset}, got {len(data)}")
+    return data
+
+
+def _read_opening(fd: int, file_size: int) -> tuple[Header, int, bytes]:
+    """Header and text length from the first page, checked against the file size and the
+    limits; returns (header, text length, the bytes read)."""
+    first = os.pread(fd, PAGE_ALIGN, 0)
+    header = Header.unpack(first)
+    if len(first) < HEADER.size + TEXT_LEN.size:
+        raise FormatError("truncated before the text length")
+    (text_len,) = TEXT_LEN.unpack_from(first, HEADER.size)
+    payload_at = HEADER.size + TEXT_LEN.size + text_len
+    if text_len > MAX_TEXT_BYTES or payload_at > file_size:
+        raise FormatError(f"text length {text_len} exceeds the file or the limit")
+    if payload_at + header.payload_bytes > file_size:
+        raise FormatError(f"file of {file_size} bytes is shorter than its sections")
+    return header, text_len, first
+
+
+def _read_span(fd: int, first: bytes, offset: int, size: int) -> bytes:
+    """``size`` bytes at ``offset``, from the first page when they lie inside it."""
+    if offset + size <= len(first):
+        return first[offset:offset + size]
+    return _pread_exact(fd, size, offset)
+
+
+def read_summary(fd: int, file_size: int) -> Summary:
+    """Header, parent, token digest and the first owned block's ids, checked for
+    consistency, in one to three small reads (never the other token ids); the full parse
+    and every checksum happen when the file is loaded. Raises FormatError like
+    ``read_meta``. (The hot loop of a start-up scan: kept free of helpers.)"""
+    header, text_len, buf = _read_opening(fd, file_size)
+    payload_at = HEADER.size + TEXT_LEN.size + text_len
+    base = 0
+    if header.payload_bytes < PAYLOAD_FIXED.size:
+        raise FormatError(f"payload of {header.payload_bytes} bytes < its fixed header")
+    if payload_at + PAYLOAD_FIXED.size > len(buf):
+        # The payload header and the checksum table follow each other: one read of that
+        # span (bounded by MAX_LAYERS) holds what the first page did not. Not the token
+        # ids: only the first owned block's are needed (512 KiB for 131k tokens, 64 B).
+        span = min(header.payload_bytes, PAYLOAD_FIXED.size + CHECKSUM.size * (MAX_LAYERS + 1))
+        buf, base = _pread_exact(fd, span, payload_at), payload_at
+    magic, version, fixed_len, _, parent, parent_tokens, block_size = _SUMMARY.unpack_from(
+        buf, payload_at - base)
+    if magic != PAYLOAD_MAGIC:
+        raise FormatError(f"bad payload magic {magic!r}")
+    if version != PAYLOAD_VERSION or fixed_len != PAYLOAD_FIXED.size:
+        raise UnsupportedFile(f"payload version {version}/{fixed_len}")
+    (layers,) = _U32.unpack_from(buf, payload_at - base + _LAYERS_AT)
+    has_parent = parent != _NO_PARENT
+    if (has_parent != bool(header.flags & FLAG_DELTA) or parent_tokens >= header.tokens
+            or has_parent != (parent_tokens > 0) or not 1 <= layers <= MAX_LAYERS
+            or not 1 <= block_size <= header.tokens or parent_tokens % block_size
+            or header.tokens % block_size):
+        raise FormatError("parent, block or layer fields inconsistent")
+    (digest,) = _U64.unpack_from(buf, payload_at - base + _DIGEST_AT)
+    ids_at = payload_at + PAYLOAD_FIXED.size + CHECKSUM.size * (layers + 1)
+    if ids_at + 4 * (parent_tokens + block_size) > payload_at + header.payload_bytes:
+        raise FormatError("token ids extend past the payload")
+    head_at = ids_at + 4 * parent_tokens - base
+    if head_at < 0 or head_at + 4 * block_size > len(buf):
+        buf = _pread_exact(fd, 4 * block_size, ids_at + 4 * parent_tokens)
+        head_at = 0
+    head = xxhash.xxh3_64_intdigest(buf[head_at:head_at + 4 * block_size])
+    return Summary(header, parent.hex() if has_parent else None, parent_tokens, digest,
+                   head, ids_at)
+
+
+def read_meta(fd: int, file_size: int) -> Meta:
+    """Parse and cross-check header, payload header and section sizes; no payload I/O."""
+    header, text_len, first = _read_opening(fd, file_size)
+    payload_at = HEADER.size + TEXT_LEN.size + text_len
+    fixed_end = payload_at + PAYLOAD_FIXED.size
+    payload = unpack_payload_fixed(_read_span(fd, first, payload_at, PAYLOAD_FIXED.size), header)
+    count = payload.layout.num_layers + 1
+    sums_raw = _read_span(fd, first, fixed_end, CHECKSUM.size * count)
+    payload = replace(payload, checksums=struct.unpack(f"<{count}Q", sums_raw))
+    offsets = compute_offsets(text_len, header.tokens, payload.layout, payload.num_blocks,
+                              payload.layout.num_layers, 0)
+    if offsets.ktm - offsets.payload != header.payload_bytes:
+        raise FormatError(f"payload bytes {header.payload_bytes} != layout's "
+                          f"{offsets.ktm - offsets.payload}")
+    ktm_len = file_size - offsets.ktm
+    if bool(header.flags & FLAG_TOOL_MAP) != (ktm_len > 0) or ktm_len < 0:
+        raise FormatError(f"file size {file_size} does not match its sections")
+    if ktm_len > MAX_KTM_BYTES:
+        raise FormatError(f"tool map of {ktm_len} bytes > {MAX_KTM_BYTES}")
+    if ktm_len:
+        offsets = compute_offsets(text_len, header.tokens, payload.layout, payload.num_blocks,
+                                  payload.layout.num_layers, ktm_len)
+    return Meta(header, payload, offsets, text_len)
+
+
+def read_text(fd: int, meta: Meta, limit: int | None = None) -> bytes:
+    """The rendered text, or its first ``limit`` bytes (a preview never reads a 1 GiB text)."""
+    size = meta.text_len if limit is None else min(limit, meta.text_len)
+    return _pread_exact(fd, size, meta.offsets.text)
+
+
+#: the buffer of the whole-file checks (``kvdisk verify``): a file may claim a 1 GiB text
+#: and layers of 256 GiB with a consistent size (a sparse file); memory stays this.
+CHECK_CHUNK = 16 << 20
+
+
+def _stream(fd: int, offset: int, size: int, update: Callable[[memoryview], None],
+            buf: bytearray) -> None:
+    """Feed ``size`` bytes at ``offset`` to ``update`` through ``buf``, chunk by chunk."""
+    view = memoryview(buf)
+    while size > 0:
+        got = os.preadv(fd, [view[:min(size, len(buf))]], offset)
+        if got <= 0:
+            raise FormatError(f"truncated file: {size} bytes missing at {offset}")
+        update(view[:got])
+        offset += got
+        size -= got
+
+
+def text_sha1(fd: int, meta: Meta, chunk: int = CHECK_CHUNK) -> str:
+    """Hex SHA1 of the text (what the file's name must be), in bounded memory."""
+    hasher = hashlib.sha1()
+    _stream(fd, meta.offsets.text, meta.text_len, hasher.update,
+            bytearray(max(1, min(chunk, meta.text_len))))
+    return hasher.hexdigest()
+
+
+def check_layers(fd: int, meta: Meta, chunk: int = CHECK_CHUNK) -> None:
+    """Verify every layer's checksum in bounded memory; FormatError on a mismatch."""
+    buf = bytearray(max(1, min(chunk, meta.offsets.layer_bytes)))
+    for layer in range(meta.payload.layout.num_layers):
+        hasher = xxhash.xxh3_64()
+        _stream(fd, meta.offsets.layer(layer), meta.offsets.layer_bytes, hasher.update, buf)
+        if hasher.intdigest() != meta.payload.checksums[layer + 1]:
+            raise FormatError(f"checksum mismatch in layer {layer}")
+
+
+def read_token_range(fd: int, ids_at: int, start: int, stop: int) -> bytes:
+    """Stored token ids ``[start, stop)`` (u32 LE), unverified: callers compare them with
+    the ids they expect, which is a stronger check than the checksum."""
+    return _pread_exact(fd, 4 * (stop - start), ids_at + 4 * start)
+
+
+def read_tokens(fd: int, meta: Meta) -> bytes:
+    """Token ids (u32 LE) after checking the head+tokens checksum."""
+    head_at = meta.offsets.payload
+    raw = _pread_exact(fd, meta.offsets.tokens - head_at + 4 * meta.header.tokens, head_at)
+    fixed = raw[:PAYLOAD_FIXED.size]
+    tokens = raw[meta.offsets.tokens - head_at:]
+    if xxhash.xxh3_64_intdigest(fixed + tokens) != meta.payload.checksums[0]:
+        raise FormatError("checksum mismatch in payload header or token ids")
+    return tokens
+
+
+
+
+def read_layers_into(fd: int, meta: Meta, first: int,
+                     outs: Sequence[memoryview | Sequence[memoryview]]) -> None:
+    """Read layers ``first, first+1, ...`` (one per item of ``outs``) and verify each
+    layer's checksum.
+
+    Each item is one byte buffer of exactly layer_bytes, or a list of byte buffers that
+    together hold exactly layer_bytes in file order (e.g. runs of the engine's own blocks,
+    so pages land where they are used with no extra copy). Consecutive layers are
+    contiguous in the file, so all of them are read by one preadv (batched by IOV_MAX):
+    few system calls, because inside a busy engine process every return from one waits
+    for the GIL. Then one hash pass per layer. On a checksum mismatch the buffers hold
+    unverified bytes: the caller must treat them as garbage.
+    """
+    want = meta.offsets.layer_bytes
+    layers = [[out] if isinstance(out, memoryview) else list(out) for out in outs]
+    for i, views in enumerate(layers):
+        have = sum(v.nbytes for v in views)
+        if have != want:
+            raise ValueError(f"buffers of {have} bytes for layer {first + i} of {want}")
+    if first < 0 or first + len(layers) > meta.payload.layout.num_layers:
+        raise ValueError(f"layers {first}..{first + len(layers) - 1} outside the file")
+    _preadv_exact(fd, [v for views in layers for v in views], meta.offsets.layer(first),
+                  f"layers {first}..{first + len(layers) - 1}")
+    for i, views in enumerate(layers):
+        hasher = xxhash.xxh3_64()
+        for view in views:
+            hasher.update(view)
+        if hasher.intdigest() != meta.payload.checksums[first + i + 1]:
+            raise FormatError(f"checksum mismatch in layer {first + i}")
+
+
+def _preadv_exact(fd: int, views: Sequence[memoryview], at: int, what: str) -> None:
+    """Fill ``views`` from offset ``at`` on, in order (preadv batched by IOV_MAX)."""
+    pending = [v for v in views if v.nbytes]
+    head = 0  # pending[head:] is still to read
+    while head < len(pending):
+        got = os.preadv(fd, pending[head:head + IOV_MAX], at)
+        if got <= 0:
+            raise FormatError(f"truncated file in {what}")
+        at += got
+        while head < len(pending) and got >= pending[head].nbytes:  # complete buffers
+            got -= pending[head].nbytes
+            head += 1
+        if got:
+            pending[head] = pending[head][got:]
+
+
+def read_layer_parts(fd: int, meta: Meta, layer: int,
+                     parts: Sequence[tuple[int, Sequence[memoryview] | None]],
+                     scratch: memoryview) -> None:
+    """Read one layer in file order and verify its checksum, keeping only some of it.
+
+    ``parts``: ``(nbytes, views)`` in file order, adding up to layer_bytes; ``views`` None
+    for bytes that are only checksummed (pages before or past the ones a restore uses),
+    read through ``scratch`` a piece at a time: memory stays bounded whatever the file
+    claims to hold. On a mismatch the views hold unverified bytes (garbage)."""
+    if sum(n for n, _ in parts) != meta.offsets.layer_bytes:
+        raise ValueError(f"parts do not cover layer {layer}")
+    if not 0 <= layer < meta.payload.layout.num_layers:
+        raise ValueError(f"layer {layer} outside the file")
+    at = meta.offsets.layer(layer)
+    hasher = xxhash.xxh3_64()
+    for nbytes, views in parts:
+        if views is None:
+            if nbytes and not scratch.nbytes:
+                raise ValueError("no scratch to read skipped pages through")
+            left = nbytes
+            while left:
+                piece = scratch[:min(left, scratch.nbytes)]
+                _preadv_exact(fd, [piece], at, f"layer {layer}")
+                hasher.update(piece)
+                at += piece.nbytes
+                left -= piece.nbytes
+            continue
+        if sum(v.nbytes for v in views) != nbytes:
+            raise ValueError(f"buffers for layer {layer} do not hold {nbytes} bytes")
+        _preadv_exact(fd, views, at, f"layer {layer}")
+        for view in views:
+            hasher.update(view)
+        at += nbytes
+    if hasher.intdigest() != meta.payload.checksums[layer + 1]:
+        raise FormatError(f"checksum mismatch in layer {layer}")
+
+
+def read_layer_into(fd: int, meta: Meta, layer: int, out: memoryview | Sequence[memoryview]) -> None:
+    """Read one layer's pages into ``out`` and verify its checksum (see read_layers_into)."""
+    read_layers_into(fd, meta, layer, [out])
+
+
+def pages_cached(fd: int, meta: Meta) -> bool:
+    """Whether the page range looks resident in the page cache: a non-blocking read of
+    one page at its start and at its end (RWF_NOWAIT) succeeds. Decides how to read: a
+    cached file is fastest read by several threads at once, a cold one by one sequential
+    stream (parallel streams defeat the disk's read-ahead). False where unsupported."""
+    nowait = getattr(os, "RWF_NOWAIT", None)
+    start, stop = meta.offsets.pages, meta.offsets.ktm
+    if nowait is None or stop <= start:
+        return False
+    probe = bytearray(1)
+    for at in (start, stop - 1):
+        try:
+            if os.preadv(fd, [probe], at, nowait) != 1:
+                return False
+        except OSError:  # EAGAIN: not resident; EOPNOTSUPP: the file system cannot say
+            return False
+    return True
+
+
+def read_tool_map(fd: int, meta: Meta) -> list[tuple[str, str]]:
+    size = meta.offsets.total - meta.offsets.ktm
+    if not size:
+        return []
+    raw = _pread_exact(fd, size, meta.offsets.ktm)
+    if xxhash.xxh3_64_intdigest(raw) != meta.payload.ktm_checksum:
+        raise FormatError("checksum mismatch in the tool map")
+    return decode_tool_map(raw)

@@ -1,0 +1,105 @@
+"""The quarantine: files proven corrupt, moved aside with a note, bounded in size.
+
+``ROOT/quarantine/<namespace>-<sha1>-<unix time>.kv`` plus a ``.why`` note beside it.
+Evidence is kept when it can be: a quarantine that is not a real directory (a symlink
+someone planted) is never used, and the bad file is deleted in place instead. The oldest
+files go first once there are more than :data:`MAX_FILES` or more than ``max_bytes``.
+Pure: standard library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from typing import Callable
+
+from vllm_kvdisk.storage import fsdir
+from vllm_kvdisk.core.logs import get_logger
+
+log = get_logger(__name__)
+
+DIRNAME = "quarantine"
+MAX_FILES = 256
+
+
+class Quarantine:
+    def __init__(self, root_fd: int, max_bytes: int, clock: Callable[[], float]):
+        self.root_fd = root_fd
+        self.max_bytes = max_bytes
+        self.clock = clock
+
+    def move(self, dir_fd: int, ns: str, sha1: str, why: str, inode: int | None,
+             dev: int | None = None) -> bool:
+        """Move ``<sha1>.kv`` out of ``dir_fd``; True if it was moved. Only a regular file,
+        and only if it is still ``inode`` on ``dev``, when given. The caller holds the
+        directory lock (writers rename under it, so the name cannot change between this
+        check and the rename) and the descriptor it read (so the inode cannot be reused)."""
+        name = f"{sha1}.kv"
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            return False
+        if not stat.S_ISREG(st.st_mode):
+            return False  # a FIFO, a device, a directory: not a file of ours, not evidence
+        if (inode is not None and st.st_ino != inode) or (dev is not None and st.st_dev != dev):
+            return False  # a sound replacement written meanwhile: not ours to move
+        try:
+            qfd = fsdir.make_dir(DIRNAME, self.root_fd)
+        except OSError as exc:
+            log.warning("kvdisk: quarantine unusable (%s); deleting %s/%s instead", exc, ns, name)
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dir_fd)
+            return False
+        dest = f"{ns}-{sha1}-{int(self.clock())}.kv"
+        try:
+            try:
+                os.rename(name, dest, src_dir_fd=dir_fd, dst_dir_fd=qfd)
+            except OSError as exc:
+                if exc.errno == errno.ENOENT:
+                    return False
+                log.warning("kvdisk: could not quarantine %s: %s; deleting it", sha1, exc)
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=dir_fd)
+                return False
+            with contextlib.suppress(OSError):
+                fd = os.open(dest + ".why", os.O_WRONLY | os.O_CREAT | os.O_EXCL | fsdir.NOFOLLOW,
+                             0o600, dir_fd=qfd)
+                with os.fdopen(fd, "w") as fh:
+                    fh.write(why[:4096] + "\n")
+            self._trim(qfd)
+        finally:
+            os.close(qfd)
+        log.warning("kvdisk: quarantined %s/%s.kv: %s", ns, sha1, why)
+        return True
+
+    def _trim(self, qfd: int) -> None:
+        files = []
+        with os.scandir(qfd) as it:
+            for de in it:
+                if de.name.endswith(".kv") and de.is_file(follow_symlinks=False):
+                    st = de.stat(follow_symlinks=False)
+                    files.append((st.st_mtime, de.name, st.st_size))
+        files.sort()
+        total = sum(size for _, _, size in files)
+        while files and (len(files) > MAX_FILES or total > self.max_bytes):
+            _, name, size = files.pop(0)
+            for victim in (name, name + ".why"):
+                with contextlib.suppress(OSError):
+                    os.unlink(victim, dir_fd=qfd)
+            total -= size
+
+    def files(self) -> list[str]:
+        if self.root_fd < 0:
+            return []
+        try:
+            fd = fsdir.open_dir(DIRNAME, self.root_fd)
+        except OSError:
+            return []
+        try:
+            with os.scandir(fd) as it:
+                return sorted(de.name for de in it
+                              if de.name.endswith(".kv") and de.is_file(follow_symlinks=False))
+        finally:
+            os.close(fd)

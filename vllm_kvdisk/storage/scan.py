@@ -1,0 +1,217 @@
+"""Scanning: the half of :class:`~vllm_kvdisk.storage.store.Store` that builds and refreshes the
+index from the directory (mixed into it; it uses the store's namespaces and mutex).
+
+* A scan reads only each file's first bytes (header, sections table, stored-id digests);
+  payloads are never touched. A refresh is one stat of a namespace directory when nothing
+  changed, else a re-listing: files another process added are indexed, files it deleted
+  or replaced are forgotten or re-indexed. A file is known by its inode, and a forced
+  refresh (every eviction decision) checks (inode, size, mtime): an inode alone is reused
+  at once by the next file, and a hit changes a header in place. An mtime read within a timestamp
+  tick of the directory's last change is not trusted (the next refresh lists again): a
+  change in that tick would not move it.
+* Only a file proven corrupt in this build's format version is quarantined. A file of
+  another version is skipped (remembered by inode, so it is not re-read); one that cannot
+  be read right now (EIO, ESTALE, EMFILE) keeps its directory "changed" and is tried again.
+* A temp file whose writer is gone (its lock is free) is removed by the next refresh.
+* Only regular files are opened, never blocking (``fsdir.open_regular``): a FIFO, socket,
+  device node or directory named like a checkpoint is skipped, never quarantined. A file
+  proven corrupt is quarantined while the descriptor it was read through is still open.
+
+Pure of vLLM and torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from typing import TYPE_CHECKING, Any, Iterator
+
+from vllm_kvdisk.storage import fsdir
+from vllm_kvdisk.storage.fileread import read_summary
+from vllm_kvdisk.core.format import FormatError, Summary, UnsupportedFile
+from vllm_kvdisk.core.index import Entry, entry_of
+from vllm_kvdisk.core.logs import get_logger
+
+if TYPE_CHECKING:
+    from vllm_kvdisk.storage.store import _Namespace
+
+log = get_logger(__name__)
+
+KV_NAME = re.compile(r"^[0-9a-f]{40}\.kv$")
+RACY_NS = 50_000_000  # above any kernel's timestamp tick (jiffies: 1-10 ms)
+
+
+def racy(mtime_ns: int, looked_ns: int) -> bool:
+    """Whether a directory whose mtime was read at ``looked_ns`` may still change without
+    that mtime moving: timestamps are coarse (a jiffy on ext4, a second on some file
+    systems), so a change in the same tick as the look leaves the same mtime. Such an
+    mtime is not remembered, and the next refresh lists the directory again."""
+    tick = 1_000_000_000 if mtime_ns % 1_000_000_000 == 0 else RACY_NS
+    return looked_ns - mtime_ns < tick
+
+
+def identity(st: os.stat_result) -> tuple[int, int, int]:
+    """What tells one file from another under one name: its inode alone does not, since a
+    freed inode is handed to the next file at once (ext4); a new file there has another
+    size or mtime, and a header changed in place (hits) has another mtime."""
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class ScanMixin:
+    # -- scanning ---------------------------------------------------------------------
+    def scan(self) -> None:
+        """Rebuild the index from the file headers on disk (payloads untouched), after
+        deleting what killed removers left (``clear_trash``, outside the mutex: it may
+        take long)."""
+        self.clear_trash()
+        with self._mutex:
+            self.index.clear()
+            self._gen_seen = None
+            for state in self._ns.values():
+                state.mtime_ns, state.skipped = -1, {}
+            self.rejected.clear()
+            self._refresh_all(force=True)
+
+    def refresh(self, ns: str, *, force: bool = False) -> bool:
+        """Pick up files other processes added, replaced or removed. Cheap when nothing
+        changed (one stat of the directory). Never raises for I/O errors: they are logged
+        and the index is left as it was."""
+        with self._mutex:
+            try:
+                return self._refresh(ns, force)
+            except OSError as exc:
+                self._gen_seen = None
+                log.warning("kvdisk: could not refresh %s/%s: %s", self.root, ns, exc)
+                return False
+
+    def _refresh_all(self, force: bool = False) -> None:
+        names = self.namespaces()
+        for ns in (set(self._ns) | set(self.index.namespaces())) - set(names):
+            if self._namespace(ns) is None:  # gone: forget its entries
+                self._forget_namespace(ns)
+        for ns in names:
+            try:
+                self._refresh(ns, force)
+            except OSError as exc:
+                self._gen_seen = None
+                log.warning("kvdisk: could not refresh %s/%s: %s", self.root, ns, exc)
+
+    def _refresh(self, ns: str, force: bool) -> bool:
+        state = self._namespace(ns)
+        if state is None:
+            self._forget_namespace(ns)
+            return True
+        looked_ns = time.time_ns()
+        mtime = os.fstat(state.fd).st_mtime_ns
+        if not force and mtime == state.mtime_ns:
+            return False
+        listed: dict[str, int] = {}  # sha1 -> inode
+        now = self.clock()
+        with os.scandir(state.fd) as it:
+            for de in it:
+                if KV_NAME.match(de.name):
+                    if de.is_file(follow_symlinks=False):
+                        listed[de.name[:40]] = de.inode()
+                elif de.name.startswith(fsdir.TMP_PREFIX) and not self.readonly:
+                    if fsdir.writer_gone(state.fd, de.name, now):
+                        with contextlib.suppress(OSError):
+                            os.unlink(de.name, dir_fd=state.fd)
+        for entry in self.index.namespace_entries(ns):
+            # Deleted or replaced by another process; when forced (every eviction decision
+            # and verify), also replaced on this file's freed inode, or its header changed
+            # in place (hits): a stat per file, 4 us each, so not at every lookup's refresh.
+            if listed.get(entry.sha1) != entry.inode or (force and not self._same_file(
+                    state.fd, entry)):
+                self.index.remove(ns, entry.sha1)
+        todo = [sha1 for sha1, inode in listed.items() if (ns, sha1) not in self.index
+                and state.skipped.get(sha1, (None,))[0] != inode]
+        complete = True
+        for sha1, found in self._read_files(state.fd, todo):
+            complete &= self._index_file(ns, state, sha1, found)
+        for sha1 in set(state.skipped) - set(listed):
+            del state.skipped[sha1]
+        # A file we could not read right now keeps the directory "changed", so the next
+        # refresh tries it again; so does an mtime too recent to be trusted.
+        state.mtime_ns = mtime if complete and not racy(mtime, looked_ns) else -1
+        if not complete:
+            self._gen_seen = None  # a file is missing from the index: list again
+        return True
+
+    @staticmethod
+    def _same_file(dir_fd: int, entry: Entry) -> bool:
+        try:
+            st = os.stat(f"{entry.sha1}.kv", dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return identity(st) == (entry.inode, entry.size, entry.mtime_ns)
+
+    @staticmethod
+    def _read_one(dir_fd: int, sha1: str) -> tuple[Any, int]:
+        """((summary, size, inode, mtime ns) of one file, the exception it raised, or None
+        if gone; the descriptor it was read through, or -1). The caller closes it."""
+        try:
+            fd = fsdir.open_regular(f"{sha1}.kv", dir_fd)
+        except FileNotFoundError:
+            return None, -1
+        except OSError as exc:
+            return exc, -1
+        try:
+            st = os.fstat(fd)
+        except OSError as exc:
+            os.close(fd)
+            return exc, -1
+        try:
+            return (read_summary(fd, st.st_size), st.st_size, st.st_ino, st.st_mtime_ns), fd
+        except (FormatError, OSError) as exc:
+            exc.inode, exc.dev = st.st_ino, st.st_dev  # type: ignore[union-attr]
+            return exc, fd
+        except Exception as exc:  # noqa: BLE001 - a bug of ours, not proof of corruption
+            log.exception("kvdisk: cannot index %s.kv; leaving it alone", sha1)
+            found = UnsupportedFile(f"could not be indexed: {exc!r}")
+            found.inode = st.st_ino  # type: ignore[attr-defined]
+            return found, fd
+
+    def _read_files(self, dir_fd: int, names: list[str]) -> Iterator[tuple[str, Any]]:
+        """Read the first bytes of many files, saying every 10 s how far a long scan is (a
+        slow volume). One thread: the parse holds the GIL, and two threads measured slower.
+        Each file's descriptor stays open while the caller handles what was found, so a
+        corrupt file is quarantined by the identity it was read through."""
+        started = last = time.monotonic()
+        for done, name in enumerate(names, start=1):
+            found, fd = self._read_one(dir_fd, name)
+            try:
+                yield name, found
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+            if done % 1024 == 0:
+                now = time.monotonic()
+                if now - last >= 10:
+                    last = now
+                    log.info("kvdisk: indexing %s: %d of %d files in %.0f s", self.root, done,
+                             len(names), now - started)
+
+    def _index_file(self, ns: str, state: _Namespace, sha1: str, found: Any) -> bool:
+        """Index what ``_read_one`` found; False if the file should be tried again later."""
+        if found is None:
+            return True
+        if isinstance(found, (UnsupportedFile, fsdir.NotRegularFile)):
+            state.skipped[sha1] = (getattr(found, "inode", 0), str(found))
+            self.rejected.append((ns, sha1, f"unsupported: {found}"))
+            return True
+        if isinstance(found, FormatError):
+            # None: the lock was busy; the directory stays "changed" and it is tried again.
+            return self._quarantine(ns, sha1, str(found), inode=getattr(found, "inode", None),
+                                    dev=getattr(found, "dev", None)) is not None
+        if isinstance(found, OSError):
+            return self._unreadable(ns, sha1, found)
+        summary, size, inode, mtime_ns = found
+        self.index.add(entry_of(ns, sha1, summary, size, inode, mtime_ns, mtime_ns))
+        return True
+
+    def _unreadable(self, ns: str, sha1: str, exc: OSError) -> bool:
+        self.stats.unreadable += 1
+        log.warning("kvdisk: cannot read %s/%s.kv now (%s); will try again", ns, sha1, exc)
+        return False
