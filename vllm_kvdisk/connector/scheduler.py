@@ -66,7 +66,8 @@ class SchedulerSide:
                     block_size)
         self.rules = SaveRules(grid, config.kv_cache_min_tokens, config.kv_cache_cold_max_tokens,
                                config.kv_cache_continued_interval_tokens,
-                               config.kv_cache_tail_checkpoints)
+                               config.kv_cache_tail_checkpoints,
+                               cold_before_last_token=bool(self.windows))
         self.stats = StatsRecorder()
         self.store = Store.from_config(config)
         started = time.monotonic()
