@@ -5,7 +5,6 @@ a Gated-DeltaNet model is refused at start-up, never served wrong."""
 import glob
 import os
 
-import numpy as np
 import pytest
 from engine import engine, events, generate, random_prompt
 
@@ -127,3 +126,27 @@ def test_gated_deltanet_model_is_refused_at_startup(qwen3next_model, tmp_path):
     with pytest.raises(UnsupportedConfig, match="Mamba / linear-attention"):
         with engine(qwen3next_model, str(tmp_path / "kv"), llm_args={"dtype": "bfloat16"}):
             pass
+
+
+def test_a_corrupt_window_page_recomputes_the_request(gemma3_model, tmp_path):
+    """A load that fails on a hybrid model is reported per request (vLLM stops on block-level
+    load errors with several KV cache groups): the file is quarantined, the request is
+    recomputed, the answer is the same, and the engine keeps serving."""
+    kv, trace = str(tmp_path / "kv"), str(tmp_path / "trace.txt")
+    prompt = random_prompt(1500, seed=6)
+    with engine(gemma3_model, kv, trace=trace) as llm:
+        reference, _ = generate(llm, prompt, max_tokens=24)
+    (path,) = glob.glob(os.path.join(kv, "*", "*.kv"))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        meta = read_meta(fd, os.fstat(fd).st_size)
+        at = meta.offsets.layer(0) + 100  # a page of the first window layer
+        os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0xFF]), at)
+    finally:
+        os.close(fd)
+    with engine(gemma3_model, kv, trace=trace) as llm:
+        out, _ = generate(llm, prompt, max_tokens=24)
+        again, cached = generate(llm, prompt, max_tokens=24)  # the device cache now
+    assert out == reference == again and cached == 1408
+    assert [n for n in os.listdir(os.path.join(kv, "quarantine")) if n.endswith(".kv")]
+    assert events(trace, "quarantined")
