@@ -35,7 +35,9 @@ from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMe
 from vllm_kvdisk.core.keys import Fingerprint, Grid, as_token_array, salt_digest
 from vllm_kvdisk.core.lifecycle import RequestState
 from vllm_kvdisk.core.logs import get_logger
-from vllm_kvdisk.ops.metrics import KVDiskStats, StatsRecorder, guarded
+from vllm_kvdisk.connector.guard import guarded
+from vllm_kvdisk.ops.metrics import KVDiskStats, snapshot
+from vllm_kvdisk.ops.recorder import StatsRecorder
 from vllm_kvdisk.core.planner import Planner, Prompt
 from vllm_kvdisk.core.policy import LoadCostModel
 from vllm_kvdisk.core.saverules import SaveRules
@@ -395,7 +397,7 @@ class SchedulerSide:
         if new_quarantines:
             self.stats.add("quarantined", new_quarantines)
             self._quarantined_seen = store.stats.quarantined
-        return self.stats.snapshot()
+        return snapshot(self.stats)
 
     def shutdown(self) -> None:
         self.diagnostics.close()

@@ -40,7 +40,9 @@ from vllm_kvdisk.core.index import Entry
 from vllm_kvdisk.connector.jobs import LoadJob, SaveJob, Scope, StepMeta, WorkerReport
 from vllm_kvdisk.core.keys import Fingerprint
 from vllm_kvdisk.core.logs import get_logger
-from vllm_kvdisk.ops.metrics import KVDiskStats, StatsRecorder, guarded
+from vllm_kvdisk.connector.guard import guarded
+from vllm_kvdisk.ops.metrics import KVDiskStats, snapshot
+from vllm_kvdisk.ops.recorder import StatsRecorder
 from vllm_kvdisk.core.planner import encode_plan
 from vllm_kvdisk.connector.restore import Restorer
 from vllm_kvdisk.connector.staging import StagingPool
@@ -411,7 +413,7 @@ class WorkerSide:
 
     def get_kv_connector_stats(self) -> KVDiskStats | None:
         self.stats.set("pending_writes", len(self._inflight))
-        return self.stats.snapshot()
+        return snapshot(self.stats)
 
     def shutdown(self) -> None:
         """Flush: every save already handed over is copied and written before we return."""
