@@ -150,3 +150,11 @@ def salt_digest(cache_salt: str | None) -> str:
     # surrogatepass: a client's salt may hold a lone surrogate (valid JSON, not UTF-8).
     raw = cache_salt.encode("utf-8", "surrogatepass")
     return hashlib.sha256(b"kvdisk-salt\0" + raw).hexdigest()[:32]
+
+
+@dataclass(slots=True)
+class Scope:
+    """The private part of a namespace: LoRA adapter and cache salt (digest only)."""
+
+    lora: str = ""
+    salt_digest: str = ""
