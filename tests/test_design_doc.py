@@ -43,3 +43,30 @@ def test_each_layer_imports_only_the_layers_above_it():
     assert not wrong, wrong
     # The check sees real imports: the connector does import the core and storage.
     assert ("connector", "storage", "vllm_kvdisk/connector/worker.py") in layer_imports()
+
+
+def test_the_tests_the_docs_cite_exist():
+    """README and docs cite tests as `test_file::test_name` (a trailing … abbreviates) or
+    `test_file`: each must name a test that exists."""
+    import re
+
+    tests = ROOT / "tests"
+    cited = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+                ROOT / "deploy" / "README.md"]:
+        for m in re.finditer(r"`(test_\w+)(?:::(\w+)(…)?)?`|\[(test_\w+)::(\w+)(…)?", doc.read_text()):
+            module, name, short = (m.group(1), m.group(2), m.group(3)) if m.group(1) else (
+                m.group(4), m.group(5), m.group(6))
+            cited.append((doc.name, module, name, short))
+    assert len(cited) > 10
+    missing = []
+    for doc, module, name, short in cited:
+        path = tests / f"{module}.py"
+        if not path.exists():
+            missing.append((doc, module))
+            continue
+        if name:
+            defs = re.findall(r"^def (test_\w+)", path.read_text(), re.M)
+            if not any(d == name or (short and d.startswith(name)) for d in defs):
+                missing.append((doc, f"{module}::{name}"))
+    assert not missing, missing
