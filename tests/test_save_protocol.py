@@ -160,3 +160,6 @@ def test_saves_past_the_staging_cap_are_skipped_as_busy(side):
     report = w.build_connector_worker_meta()
     assert sorted(e.sha1 for e in report.written) == sorted([big.plan.sha1, small.plan.sha1])
     assert w._staged == 0  # every byte given back
+    page = 64 << 10
+    assert w.staging_peak == 21 * 2 * page <= 3 << 20  # the most ever held, under the cap
+    assert w.get_kv_connector_stats().data["staging_peak_bytes"] == w.staging_peak

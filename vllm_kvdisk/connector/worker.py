@@ -89,6 +89,7 @@ class WorkerSide:
         self._copying: dict[str, int] = {}  # req id -> copies not finished
         self._copy_ended = threading.Condition(self._lock)
         self._staged = 0  # bytes of staging held by saves in flight
+        self.staging_peak = 0  # the most _staged has been (a gauge: how near the cap)
         self._staging_cap = config.kv_disk_staging_inflight_mb << 20
         self._step: tuple[int, float] = (0, 0.0)  # (tokens, start) of the step in flight
 
@@ -238,6 +239,7 @@ class WorkerSide:
             busy = staged + nbytes > self._staging_cap
             if not busy:
                 self._staged += nbytes
+                self.staging_peak = max(self.staging_peak, self._staged)
                 self._copying[job.req_id] = self._copying.get(job.req_id, 0) + 1
             parent = self._inflight.get(job.plan.parent) if job.plan.parent else None
             done: Future = Future()
@@ -413,6 +415,7 @@ class WorkerSide:
 
     def get_kv_connector_stats(self) -> KVDiskStats | None:
         self.stats.set("pending_writes", len(self._inflight))
+        self.stats.set("staging_peak_bytes", self.staging_peak)
         return snapshot(self.stats)
 
     def shutdown(self) -> None:

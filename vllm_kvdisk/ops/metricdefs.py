@@ -12,7 +12,8 @@ COUNTERS = ("tokens_looked_up", "tokens_loaded", "bytes_written", "bytes_read",
             "save_failures", "evictions", "quarantined")  # deltas
 LABELLED = ("lookups", "saves", "saves_skipped", "errors")  # label value -> delta
 SERIES = ("load_seconds", "save_seconds")  # observations
-GAUGES = ("disk_bytes", "disk_files", "disk_budget_bytes", "pending_writes")  # latest values
+GAUGES = ("disk_bytes", "disk_files", "disk_budget_bytes", "pending_writes",
+          "staging_peak_bytes")  # latest values
 
 # The connector hooks that run guarded (the label values of vllm:kvdisk_errors_total).
 HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
@@ -57,6 +58,9 @@ METRICS = (
      "disk_budget_bytes"),
     ("pending_writes", "gauge", (), "Checkpoints copied out and not yet on disk.",
      "pending_writes"),
+    ("staging_peak_bytes", "gauge", (),
+     "The most host staging memory saves in flight have held since start (the cap is "
+     "kv_disk_staging_inflight_mb; past it saves are skipped as busy).", "staging_peak_bytes"),
 )
 
 
