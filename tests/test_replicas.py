@@ -11,6 +11,7 @@ from synth import FP, encode, pages, planner, prompt_of, save
 from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage import verify as verify_module
 from vllm_kvdisk.storage.budget import SaveSkipped
+from vllm_kvdisk.storage.directory import Directory
 from vllm_kvdisk.core.format import HEADER_FIELD_HITS, Reason
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.storage.verify import verify
@@ -173,7 +174,7 @@ def test_remove_namespace_deletes_its_files_outside_the_lock(tmp_path, monkeypat
     rng = np.random.default_rng(0)
     for seed in range(3):
         save(a, ns, prompt(seed), 48, rng)
-    real = Store._delete_tree
+    real = Directory.delete_tree
     lock_free = []
 
     def delete_tree(self, name, **kwargs):
@@ -181,7 +182,7 @@ def test_remove_namespace_deletes_its_files_outside_the_lock(tmp_path, monkeypat
             lock_free.append(name)
         return real(self, name, **kwargs)
 
-    monkeypatch.setattr(Store, "_delete_tree", delete_tree)
+    monkeypatch.setattr(Directory, "delete_tree", delete_tree)
     assert a.remove_namespace(ns) == 3
     assert lock_free
     assert [n for n in os.listdir(a.root) if n != ".lock"] == []
@@ -225,7 +226,7 @@ def test_a_save_lists_the_namespace_only_after_another_replica_changed_it(tmp_pa
     listed = []
 
     def scandir(path=None):
-        if isinstance(path, int) and path == a._ns[ns].fd:
+        if isinstance(path, int) and path == a.directory.namespace(ns).fd:
             listed.append(path)
         return real(path)
 
