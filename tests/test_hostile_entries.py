@@ -40,7 +40,8 @@ from vllm_kvdisk.core.format import (
     Reason,
     encode_checkpoint,
 )
-from vllm_kvdisk.core.index import Entry, Index
+from vllm_kvdisk.core.entry import Entry
+from vllm_kvdisk.core.index import Index
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.ops.trace import Trace
 from vllm_kvdisk.ops.trace import read as read_trace

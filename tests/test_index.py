@@ -3,7 +3,8 @@
 import numpy as np
 
 from vllm_kvdisk.core.format import Reason
-from vllm_kvdisk.core.index import Entry, Index, Miss, head_digest
+from vllm_kvdisk.core.entry import Entry, head_digest
+from vllm_kvdisk.core.index import Index, Miss
 from vllm_kvdisk.core.keys import token_digest
 
 BS = 16

@@ -36,7 +36,7 @@ from vllm_kvdisk.storage.budget import SaveSkipped
 from vllm_kvdisk.core.compat import Placement
 from vllm_kvdisk.core.config import KVDiskConfig
 from vllm_kvdisk.core.format import FormatError
-from vllm_kvdisk.core.index import Entry
+from vllm_kvdisk.core.entry import Entry
 from vllm_kvdisk.connector.jobs import LoadJob, SaveJob, Scope, StepMeta, WorkerReport
 from vllm_kvdisk.core.keys import Fingerprint
 from vllm_kvdisk.core.logs import get_logger

@@ -26,7 +26,8 @@ from typing import Callable, Iterable
 
 from vllm_kvdisk.core.eviction import plan_eviction
 from vllm_kvdisk.core.format import Encoded, FormatError, summary_of
-from vllm_kvdisk.core.index import Entry, Index, Key, entry_of
+from vllm_kvdisk.core.entry import Entry, Key, entry_of
+from vllm_kvdisk.core.index import Index
 from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage.directory import Directory
 from vllm_kvdisk.storage.lock import DirLock

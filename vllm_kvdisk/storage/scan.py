@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from vllm_kvdisk.core.format import FormatError, UnsupportedFile
-from vllm_kvdisk.core.index import Entry, Index, entry_of
+from vllm_kvdisk.core.entry import Entry, entry_of
+from vllm_kvdisk.core.index import Index
 from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage.directory import KV_NAME, Directory

@@ -52,7 +52,8 @@ import numpy as np
 from vllm_kvdisk.core.config import KVDiskConfig
 from vllm_kvdisk.core.format import (HEADER_FIELD_HITS, HEADER_FIELD_LAST_USED, Encoded,
                                      FormatError)
-from vllm_kvdisk.core.index import Entry, Index, Key
+from vllm_kvdisk.core.entry import Entry, Key
+from vllm_kvdisk.core.index import Index
 from vllm_kvdisk.core.keys import Fingerprint
 from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.storage import fsdir
