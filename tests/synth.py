@@ -36,9 +36,10 @@ def make(tmp_path, **kw) -> tuple[Store, str]:
     return store, store.ensure_namespace(FP)
 
 
-def prompt(seed: int = 0, n: int = 400) -> Prompt:
-    """A prompt of ``n`` random byte tokens."""
-    return prompt_of(np.random.default_rng(seed).integers(0, 262, n))
+def prompt(seed: int = 0, n: int = 400, vocab: int = 262) -> Prompt:
+    """A prompt of ``n`` random tokens of ``byte_table`` below ``vocab`` (256: single bytes
+    only)."""
+    return prompt_of(np.random.default_rng(seed).integers(0, vocab, n))
 
 
 def planner(store: Store) -> Planner:
