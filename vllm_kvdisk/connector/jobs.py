@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from vllm_kvdisk.core.index import Entry
+from vllm_kvdisk.core.entry import Entry
 from vllm_kvdisk.core.keys import Scope
 from vllm_kvdisk.core.planner import SavePlan
 

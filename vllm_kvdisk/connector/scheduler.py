@@ -32,7 +32,7 @@ from vllm_kvdisk.connector.events import DiskEvents
 from vllm_kvdisk.core.format import Reason
 from vllm_kvdisk.core.index import Lookup, Miss
 from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta, WorkerReport
-from vllm_kvdisk.core.keys import Fingerprint, Grid, as_token_array, salt_digest
+from vllm_kvdisk.core.keys import Fingerprint, Grid, Namespaces, as_token_array, salt_digest
 from vllm_kvdisk.core.lifecycle import RequestState
 from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.connector.guard import guarded
@@ -81,7 +81,7 @@ class SchedulerSide:
         self._saves: list[SaveJob] = []
         self._holds: list[str] = []  # finished requests held for their copies, to tell workers
         self._held: set[str] = set()  # ... until their finished_sending arrives
-        self._ns_cache: dict[tuple[str, str], str] = {}
+        self.namespaces = Namespaces(fingerprint)
         self._last_refresh = 0.0
         self._stale: set[str] = set()  # namespaces to re-list at the next lookup
         self._quarantined_seen = 0
@@ -116,10 +116,7 @@ class SchedulerSide:
 
     # -- requests ---------------------------------------------------------------------
     def _ns(self, scope: Scope) -> str:
-        key = (scope.lora, scope.salt_digest)
-        if key not in self._ns_cache:
-            self._ns_cache[key] = self.base_fp.scoped(scope.lora, scope.salt_digest).dirname()
-        return self._ns_cache[key]
+        return self.namespaces.name(scope.lora, scope.salt_digest)
 
     def _state(self, request: Any) -> RequestState:
         st = self._reqs.get(request.request_id)

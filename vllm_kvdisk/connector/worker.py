@@ -36,9 +36,9 @@ from vllm_kvdisk.storage.budget import SaveSkipped
 from vllm_kvdisk.core.compat import Placement
 from vllm_kvdisk.core.config import KVDiskConfig
 from vllm_kvdisk.core.format import FormatError
-from vllm_kvdisk.core.index import Entry
+from vllm_kvdisk.core.entry import Entry
 from vllm_kvdisk.connector.jobs import LoadJob, SaveJob, Scope, StepMeta, WorkerReport
-from vllm_kvdisk.core.keys import Fingerprint
+from vllm_kvdisk.core.keys import Fingerprint, Namespaces
 from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.connector.guard import guarded
 from vllm_kvdisk.ops.metrics import KVDiskStats, snapshot
@@ -66,6 +66,7 @@ class WorkerSide:
         # rank, summed).
         self._counts_tokens = placement.tp_rank == 0 and placement.pp_rank == 0
         self.base_fp = fingerprint
+        self.namespaces = Namespaces(fingerprint)
         self.block_size = block_size
         self.trace = Trace.from_config(config)
         self.store = Store.from_config(config, on_evict=self._on_evict)
@@ -121,7 +122,7 @@ class WorkerSide:
             sys.setswitchinterval(want)
 
     def _fp(self, scope: Scope) -> Fingerprint:
-        return self.base_fp.scoped(scope.lora, scope.salt_digest)
+        return self.namespaces.fingerprint(scope.lora, scope.salt_digest)
 
     def _on_evict(self, entry: Entry) -> None:
         self.stats.add("evictions")
@@ -146,7 +147,7 @@ class WorkerSide:
             self.stats.count("lookups", "load_failed:")
             return list(job.block_ids)
         fp = self._fp(job.scope)
-        ns = fp.dirname()
+        ns = self.namespaces.name(job.scope.lora, job.scope.salt_digest)
         t0 = time.perf_counter()
         out = self.restorer.load(ns, fp.digest(), job,
                                  lambda sha1, why, inode: self._quarantine(ns, sha1, why, inode))
