@@ -265,20 +265,21 @@ def test_a_hard_link_is_read_but_never_written_through(tmp_path):
 def test_a_special_file_in_a_chain_being_restored_is_recomputed_not_quarantined(tmp_path,
                                                                                 kind):
     torch = pytest.importorskip("torch")
-    import test_worker_io as wio
+    import workers
+    from vllm_kvdisk.connector.jobs import LoadFile
 
     torch.manual_seed(0)
-    layers = {f"model.layers.{i}.attn": torch.rand(wio.BLOCKS, 2, wio.BLOCK, 8)
-              for i in range(wio.LAYERS)}
-    w = wio.make_worker(tmp_path, layers)
+    layers = {f"model.layers.{i}.attn": torch.rand(64, 2, workers.BLOCK, 8) for i in range(4)}
+    w = workers.make_worker(tmp_path, layers)
+    ids = np.arange(10_000, 10_000 + 64 * workers.BLOCK, dtype="<u4")
     try:
-        ns = wio.FP.dirname()
-        sha1 = wio.save(w, list(range(wio.FILE_BLOCKS)))
-        path = w.store.path(ns, sha1)
+        sha1 = workers.save(w, workers.save_job(ids, list(range(8))))
+        path = w.store.path(workers.FP.dirname(), sha1)
         plant(path, kind)
-        targets = list(range(20, 20 + wio.FILE_BLOCKS))
-        assert wio.load(w, [wio.whole(sha1, 0, wio.FILE_BLOCKS * wio.BLOCK)], 0,
-                        targets) == targets
+        targets = list(range(20, 28))
+        tokens = 8 * workers.BLOCK
+        job = workers.load_job(ids, [LoadFile(sha1, 0, tokens, tokens)], 0, targets)
+        assert w._load(job) == targets
         assert os.path.lexists(path) and w.store.quarantined_files() == []
     finally:
         w.shutdown()

@@ -11,32 +11,23 @@ held at a gate (a delaying mover) and a store whose writes are held at another.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 
 import numpy as np
 import pytest
 import torch
+from workers import BLOCK, make_worker, save_job
 
-from vllm_kvdisk.core.config import load_config
-from vllm_kvdisk.core.format import Reason
 from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta
-from vllm_kvdisk.core.keys import Fingerprint
-from vllm_kvdisk.core.planner import SavePlan
 from vllm_kvdisk.connector.worker import WorkerSide
 
-BLOCK = 16
 BLOCKS = 32
-FP = Fingerprint("m", "0", "float32", "cpu:test/1", BLOCK, 1, 0)
 IDS = np.arange(7_000, 7_000 + BLOCKS * BLOCK, dtype="<u4")
 WAIT = 60  # seconds before a wait that should end counts as a hang
 
 
 def job(req: str, blocks: list[int], seed: int) -> SaveJob:
-    tokens = len(blocks) * BLOCK
-    text = f"{seed}:".encode() + b"x" * tokens
-    plan = SavePlan(FP.dirname(), hashlib.sha1(text).hexdigest(), tokens, None, 0, Reason.COLD)
-    return SaveJob(req, Scope(), plan, blocks, text, IDS[:tokens].tobytes(), 4096)
+    return save_job(IDS, blocks, req=req, text=f"{seed}:".encode() + b"x" * len(blocks) * BLOCK)
 
 
 def load_job(sha1: str, blocks: int, targets: list[int]) -> LoadJob:
@@ -66,10 +57,7 @@ def side(tmp_path):
     def make(**extra):
         torch.manual_seed(0)
         caches = {f"model.layers.{i}.attn": torch.rand(BLOCKS, 8, BLOCK, 128) for i in range(2)}
-        cfg = load_config({"kv_disk_dir": str(tmp_path / "kv"), "kv_disk_min_free_mb": 0,
-                           "kv_disk_io_threads": 1, **extra})
-        w = WorkerSide(cfg, FP, BLOCK)
-        w.register_kv_caches(caches)
+        w = make_worker(tmp_path, caches, **{"kv_disk_io_threads": 1, **extra})
         made.append(w)
         return w, list(caches.values())
     made: list[WorkerSide] = []
