@@ -25,8 +25,6 @@ On a small CPU box absolute times say little about GPU serving: compare configur
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
-import hashlib
 import importlib.metadata as md
 import json
 import os
@@ -37,12 +35,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
-import numpy as np
-import requests
 from agent_report import render, write_outputs
+from agent_client import run_phase, stream_chat
+from agent_measure import CpuMeter, disk_usage, engine_cores, storage_limit, token_sources
 from agent_workload import Ideal, Workload
 from common import kv_bytes_per_token, model_shape
 
@@ -86,232 +83,6 @@ def server_command(name: str, model: str, port: int, cache_dir: str | None, args
         return harness.vllm_command(model, port, *common, "--kv-offloading-backend", "native",
                                     "--kv-offloading-size", str(args.native_offload_gib))
     raise ValueError(name)
-
-
-def _tree_cpu_s(pid: int) -> float:
-    import psutil
-
-    total = 0.0
-    try:
-        root = psutil.Process(pid)
-        for p in [root, *root.children(recursive=True)]:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
-    except psutil.Error:
-        pass
-    return total
-
-
-class CpuMeter:
-    """Average cores busy during a phase: the server's processes, this client, and
-    everything else on the machine (other jobs would distort the timings)."""
-
-    def __init__(self, server_pid: int):
-        import psutil
-
-        self.pid, self._psutil = server_pid, psutil
-        self.t0, self.sys0 = time.perf_counter(), self._busy()
-        self.srv0, self.me0 = _tree_cpu_s(server_pid), self._me()
-
-    def _busy(self) -> float:
-        t = self._psutil.cpu_times()
-        return sum(t) - t.idle - getattr(t, "iowait", 0.0)
-
-    @staticmethod
-    def _me() -> float:
-        t = os.times()
-        return t.user + t.system
-
-    def read(self) -> dict:
-        wall = time.perf_counter() - self.t0
-        busy = self._busy() - self.sys0
-        srv = _tree_cpu_s(self.pid) - self.srv0
-        me = self._me() - self.me0
-        return {"wall_s": round(wall, 2), "machine_cores": round(busy / wall, 2),
-                "server_cores": round(srv / wall, 2), "client_cores": round(me / wall, 2),
-                "other_cores": round(max(0.0, busy - srv - me) / wall, 2)}
-
-
-def engine_cores(log_path: str) -> str | None:
-    """The CPU build's OpenMP binding of the engine's worker, from the latest start-up."""
-    found = None
-    with open(log_path, errors="replace") as fh:
-        for line in fh:
-            if "core ids=" in line:
-                found = line.split("core ids=", 1)[1].strip()
-    return found
-
-
-def disk_usage(path: str | None) -> dict:
-    if not path or not os.path.isdir(path):
-        return {"bytes": 0, "files": 0}
-    total = files = 0
-    for root, _, names in os.walk(path):
-        for n in names:
-            try:
-                total += os.lstat(os.path.join(root, n)).st_size
-                files += 1
-            except OSError:
-                pass
-    return {"bytes": total, "files": files}
-
-
-def stream_chat(url: str, messages: list[dict], max_tokens: int, timeout: float,
-                temperature: float = 0.0, seed: int | None = None) -> dict:
-    body = {"model": "agent", "messages": messages, "max_tokens": max_tokens,
-            "temperature": temperature, "stream": True,
-            "stream_options": {"include_usage": True}, "return_token_ids": True}
-    if seed is not None:
-        body["seed"] = seed
-    t0 = time.perf_counter()
-    ttft, parts, usage, prompt_ids, generated = None, [], None, None, []
-    with requests.post(url + "/v1/chat/completions", json=body, stream=True,
-                       timeout=timeout) as r:
-        r.raise_for_status()
-        for line in r.iter_lines(chunk_size=None):
-            if not line.startswith(b"data: "):
-                continue
-            data = line[6:].strip()
-            if data == b"[DONE]":
-                break
-            chunk = json.loads(data)
-            if chunk.get("prompt_token_ids") is not None and prompt_ids is None:
-                prompt_ids = chunk["prompt_token_ids"]
-            for choice in chunk.get("choices") or []:
-                generated += choice.get("token_ids") or []
-                content = (choice.get("delta") or {}).get("content")
-                if content:
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                    parts.append(content)
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    total = time.perf_counter() - t0
-    usage = usage or {}
-    details = usage.get("prompt_tokens_details") or {}
-    return {"ttft_s": ttft if ttft is not None else total, "total_s": total,
-            "reply": "".join(parts), "prompt_tokens": usage.get("prompt_tokens"),
-            "cached_tokens": details.get("cached_tokens"),
-            "completion_tokens": usage.get("completion_tokens"),
-            "prompt_ids": prompt_ids or [], "generated_ids": generated}
-
-
-def run_phase(server: harness.Server, wl: Workload, ideal: Ideal, history: list[list[dict]],
-              turns: range, config: str, phase: str, args) -> list[dict]:
-    """All sessions, the given turns, ``concurrency`` sessions at a time; session s waits
-    for session 0's first turn (a sibling of session 0 must find its checkpoint)."""
-    lock = threading.Lock()
-    records: list[dict] = []
-    t_phase = time.perf_counter()
-    first_done = threading.Event()
-    if turns.start > 1:
-        first_done.set()
-
-    def session(s: int) -> None:
-        if s > 0:
-            first_done.wait(args.request_timeout)
-        for t in turns:
-            msgs = wl.messages(history[s], s, t)
-            rec = {"config": config, "phase": phase, "session": s, "turn": t,
-                   "first_after_restart": phase == "resumed" and t == turns.start,
-                   "start_s": round(time.perf_counter() - t_phase, 4)}
-            try:
-                out = stream_chat(server.url, msgs, args.max_tokens, args.request_timeout,
-                                  args.temperature)
-            except Exception as exc:  # noqa: BLE001 (recorded; the session stops here)
-                rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                with lock:
-                    records.append(rec)
-                first_done.set()
-                return
-            reply, prompt_ids, generated = out.pop("reply"), out.pop("prompt_ids"), out.pop("generated_ids")
-            with lock:
-                rec["ideal_tokens"] = ideal.of(prompt_ids)  # computed before this request ended
-                ideal.add(prompt_ids, generated)
-            rec.update(out)
-            rec["reply_sha1"] = hashlib.sha1(reply.encode()).hexdigest()[:12]
-            history[s] = msgs + [{"role": "assistant", "content": reply}]
-            with lock:
-                records.append(rec)
-            if s == 0 and t == 1:
-                first_done.set()
-
-    with cf.ThreadPoolExecutor(max_workers=args.concurrency) as pool:
-        list(pool.map(session, range(args.sessions)))
-    return sorted(records, key=lambda r: (r["turn"], r["session"]))
-
-
-def token_sources(before: dict, after: dict) -> dict:
-    """The server's own split of prompt tokens over a phase (counters' difference)."""
-    def delta(key: str) -> float:
-        return after.get(key, 0.0) - before.get(key, 0.0)
-
-    out = {src: int(delta(f'vllm:prompt_tokens_by_source_total{{source="{src}"}}'))
-           for src in ("local_compute", "local_cache_hit", "external_kv_transfer")}
-    for key in after:
-        if key.startswith("vllm:kvdisk_") and (key.endswith(("_total", "_sum", "_count"))
-                                               or "_total{" in key):
-            out[key.removeprefix("vllm:")] = delta(key)
-    return out
-
-
-def storage_limit(cache_dir: str, phases: dict, threads: int = 4) -> dict:
-    """The machine's own bandwidth on this run's checkpoint files against what the
-    server's restore and save paths achieved on them (its load/save histograms)."""
-    from io_bench import CHUNK, drop_cache, raw_read, raw_write
-
-    paths = [os.path.join(d, f) for d, _, fs in os.walk(cache_dir) for f in fs
-             if f.endswith(".kv") and "quarantine" not in d]
-    sizes = [os.path.getsize(p) for p in paths]
-    total = sum(sizes)
-    if not total:
-        return {}
-    buf = memoryview(np.ones(max(sizes), dtype=np.uint8))
-    pool = cf.ThreadPoolExecutor(threads)
-
-    def timed(fn, cold: bool) -> float:
-        runs = []
-        for _ in range(3):
-            if cold:
-                for p in paths:
-                    drop_cache(p)
-            t0 = time.perf_counter()
-            fn()
-            runs.append(time.perf_counter() - t0)
-        return sorted(runs)[1]
-
-    def read_all(threaded: bool) -> None:
-        for p, n in zip(paths, sizes):
-            raw_read(p, buf[:n], CHUNK if threaded else n, pool if threaded else None)
-
-    read_all(True)
-    warm = timed(lambda: read_all(True), cold=False)
-    cold = timed(lambda: read_all(False), cold=True)
-    scratch = os.path.join(os.path.dirname(cache_dir), "write-limit")
-    os.makedirs(scratch, exist_ok=True)
-    counter = iter(range(10**9))
-    write = timed(lambda: [raw_write(scratch, [buf[:n]], next(counter)) for n in sizes],
-                  cold=False)
-    shutil.rmtree(scratch, ignore_errors=True)
-    pool.shutdown()
-    tok = [ph.get("tokens", {}) for ph in phases.values()]
-    read_b = sum(t.get("kvdisk_bytes_read_total", 0) for t in tok)
-    read_s = sum(t.get("kvdisk_load_seconds_sum", 0) for t in tok)
-    wrote_b = sum(t.get("kvdisk_bytes_written_total", 0) for t in tok)
-    wrote_s = sum(t.get("kvdisk_save_seconds_sum", 0) for t in tok)
-    out = {"files": len(paths), "bytes": total,
-           "limit_read_warm_gbps": total / warm / 1e9, "limit_read_cold_gbps": total / cold / 1e9,
-           "limit_write_fsync_gbps": total / write / 1e9,
-           "server_restore_bytes": read_b, "server_restore_s": read_s,
-           "server_save_bytes": wrote_b, "server_save_s": wrote_s}
-    if read_b and read_s:
-        out["server_restore_gbps"] = read_b / read_s / 1e9
-    if wrote_b and wrote_s:
-        out["server_save_gbps"] = wrote_b / wrote_s / 1e9
-    return out
 
 
 def run_config(name: str, model: str, wl: Workload, block: int, work: str, env: dict,

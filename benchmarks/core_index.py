@@ -22,7 +22,8 @@ import time
 import numpy as np
 
 from vllm_kvdisk.core.format import PageLayout, Reason
-from vllm_kvdisk.core.index import Entry, Index, head_digest
+from vllm_kvdisk.core.entry import Entry, head_digest
+from vllm_kvdisk.core.index import Index
 from vllm_kvdisk.core.keys import Fingerprint, as_token_array, token_digest
 from vllm_kvdisk.core.planner import Planner, Prompt, SavePlan, encode_plan
 from vllm_kvdisk.storage.store import Store

@@ -10,21 +10,36 @@ costs something), then in one run, with vLLM's default multi-process engine:
   2. time to first token for long prompts that sit between ds4's grid points (2048/32):
      cold prefill, a device (GPU-resident) prefix-cache hit, and a disk restore in a
      fresh engine on the same cache directory (a restart). Target: the restore within
-     1.5x of the device hit.
+     1.5x of the device hit;
+  3. the same restore with the files dropped from the page cache, against the device hit
+     plus a raw cold read of the same files (the prompt's chain, 4 threads). Target: at
+     most the device hit + 1.1x that read;
+  4. the restore inside the server (the trace's load time) against a raw read of the same
+     files, page cache and cold. Target: raw / restore >= 0.9;
+  5. the peak of host staging memory saves in flight held, against its cap.
 Absolute times on a 2-core CPU mean little; the ratios are the result.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import re
 import shutil
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from common import close, kv_bytes_per_token, make_llm, model_shape
+from io_bench import CHUNK, drop_cache, raw_read
+
+from vllm_kvdisk.core.config import KVDiskConfig
+from vllm_kvdisk.storage.fileread import read_meta
+
+LOADED = re.compile(r"hit for sha1=(\w+) \(loaded (\d+) tokens from (\d+) file\(s\), (\d+) ms\)")
 
 
 def timed_generate(llm, prompts, max_tokens) -> float:
@@ -34,6 +49,56 @@ def timed_generate(llm, prompts, max_tokens) -> float:
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     return time.perf_counter() - t0
+
+
+def kv_paths(kv: str) -> dict[str, str]:
+    return {f[:-3]: os.path.join(d, f) for d, _, fs in os.walk(kv) for f in fs
+            if f.endswith(".kv") and "quarantine" not in d}
+
+
+def chain(paths: dict[str, str], sha1: str | None) -> list[str]:
+    """The file ``sha1`` and its ancestors: what a restore of it reads."""
+    out = []
+    while sha1:
+        out.append(paths[sha1])
+        fd = os.open(out[-1], os.O_RDONLY)
+        try:
+            sha1 = read_meta(fd, os.fstat(fd).st_size).payload.parent_sha1
+        finally:
+            os.close(fd)
+    return out
+
+
+def raw_reads(files: list[str], pool: ThreadPoolExecutor, cold: bool, repeat: int) -> float:
+    """Median time of a raw read of ``files`` (4 threads per file), cold: after dropping
+    them from the page cache."""
+    sizes = [os.path.getsize(f) for f in files]
+    buf = memoryview(np.ones(max(sizes), dtype=np.uint8))
+    runs = []
+    for _ in range(repeat):
+        if cold:
+            for f in files:
+                drop_cache(f)
+        t0 = time.perf_counter()
+        for f, n in zip(files, sizes):
+            raw_read(f, buf[:n], CHUNK, pool)
+        runs.append(time.perf_counter() - t0)
+    return statistics.median(runs)
+
+
+def loads_traced(trace: str, since: int) -> tuple[list[tuple[str, float]], int]:
+    """(head sha1, load seconds) of each restore the trace logged past byte ``since``."""
+    with open(trace) as fh:
+        fh.seek(since)
+        text = fh.read()
+        end = fh.tell()
+    return [(m[1], int(m[4]) / 1e3) for m in LOADED.finditer(text)], end
+
+
+def staging_peak(worker) -> int:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()._worker.staging_peak
 
 
 def main() -> None:
@@ -53,6 +118,8 @@ def main() -> None:
     # machine, then reserves none and binds both cores; without a connector it binds one.
     # Pin the same reservation for both so the comparison is of the connector alone.
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    # The staging peak is read from the worker by a function sent to it (collective_rpc).
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm_kvdisk.testing.tinymodel import build_tiny_model
 
     work = tempfile.mkdtemp(prefix="kvdisk-engine-bench-")
@@ -88,15 +155,34 @@ def main() -> None:
         for n, prompt in longs.items():
             timed_generate(disk, [prompt], 1)  # cold prefill; checkpoints land on disk
             ttft_device[n] = [timed_generate(disk, [prompt], 1) for _ in range(args.repeat)]
+        peak = max(disk.collective_rpc(staging_peak))
         close(disk)
         files = sum(len(f) for _, _, f in os.walk(kv))
-        restarted = make_llm(model, kv)
+        trace = os.path.join(work, "trace.log")
+        restarted = make_llm(model, kv, trace=trace)
+        paths, seen = kv_paths(kv), 0
         ttft_disk = {n: [] for n in lengths}
+        ttft_cold_disk = {n: [] for n in lengths}
+        load_s = {(n, cold): [] for n in lengths for cold in (False, True)}
+        heads = {}
         for r in range(args.repeat):
             for n, prompt in longs.items():
-                restarted.reset_prefix_cache()  # every restore from disk, none from the device
-                ttft_disk[n].append(timed_generate(restarted, [prompt], 1))
+                for cold in (False, True):
+                    restarted.reset_prefix_cache()  # every restore from disk, none from the device
+                    if cold:
+                        for path in paths.values():
+                            drop_cache(path)
+                    (ttft_cold_disk if cold else ttft_disk)[n].append(
+                        timed_generate(restarted, [prompt], 1))
+                    loads, seen = loads_traced(trace, seen)
+                    if len(loads) == 1:
+                        heads[n] = loads[0][0]
+                        load_s[n, cold].append(loads[0][1])
         close(restarted)
+        pool = ThreadPoolExecutor(4)
+        raw = {(n, cold): raw_reads(chain(paths, heads[n]), pool, cold, args.repeat)
+               for n in lengths if n in heads for cold in (False, True)}
+        pool.shutdown()
         med = statistics.median
         print(f"1. batch of {args.batch} x 1024-token prompts, {args.decode_tokens} tokens each "
               f"(median of {args.repeat}):")
@@ -111,6 +197,33 @@ def main() -> None:
                   f"{c * 1e3:.0f} ms | device prefix-cache hit {d * 1e3:.0f} ms | disk restore "
                   f"after restart {k * 1e3:.0f} ms -> disk/device {k / d:.2f} (target <= 1.5), "
                   f"cold/disk {c / k:.1f}x")
+        print("3. the same restore with its files dropped from the page cache; raw: a cold "
+              "read of the prompt's chain, 4 threads:")
+        for n in lengths:
+            if n not in heads:
+                print(f"   {n} tokens: no restore was traced")
+                continue
+            d, k, rc = med(ttft_device[n]), med(ttft_cold_disk[n]), raw[n, True]
+            print(f"   {n} tokens: disk restore (cold) {k * 1e3:.0f} ms | device hit "
+                  f"{d * 1e3:.0f} ms + 1.1 x raw cold read {rc * 1e3:.0f} ms = "
+                  f"{(d + 1.1 * rc) * 1e3:.0f} ms -> (restore - device) / raw "
+                  f"{(k - d) / rc:.2f} (target <= 1.1)")
+        print("4. restore inside the server (the trace's load time) / a raw read of the same "
+              "files, 4 threads:")
+        for n in lengths:
+            if n not in heads:
+                continue
+            parts = []
+            for cold, label in ((False, "page cache"), (True, "cold")):
+                if load_s[n, cold]:
+                    ls, rr = med(load_s[n, cold]), raw[n, cold]
+                    parts.append(f"{label}: load {ls * 1e3:.0f} ms, raw {rr * 1e3:.0f} ms -> "
+                                 f"raw/load {rr / ls if ls else float('inf'):.2f}")
+            print(f"   {n} tokens: " + " | ".join(parts) + " (target >= 0.9)")
+        cap = {f.name: f.default for f in dataclasses.fields(KVDiskConfig)}[
+            "kv_disk_staging_inflight_mb"]
+        print(f"5. staging held by saves in flight: peak {peak / 2**20:.1f} MiB of the "
+              f"{cap} MiB cap (kv_disk_staging_inflight_mb)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

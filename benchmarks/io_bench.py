@@ -99,7 +99,8 @@ def conversation_cuts(tokens: int, turns: int, align: int = 2048, trim: int = 32
     """The file boundaries of the chain a conversation of ``tokens`` tokens in ``turns``
     equal turns leaves under the save rules (ds4's grid with tails; each turn a cold save
     of its prompt and an evict save of prompt + reply), as the scheduler plans them."""
-    from vllm_kvdisk.core.index import Entry, Index, head_digest
+    from vllm_kvdisk.core.entry import Entry, head_digest
+    from vllm_kvdisk.core.index import Index
     from vllm_kvdisk.core.keys import Grid, token_digest
     from vllm_kvdisk.core.tokens import TokenTable
     from vllm_kvdisk.core.planner import Planner, Prompt

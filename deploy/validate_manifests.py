@@ -146,16 +146,19 @@ def mebibytes(quantity: str) -> float:
 
 
 def exported_metrics() -> set[str]:
-    """The plugin's metric names (vllm_kvdisk/ops/metrics.py METRIC_NAMES, read without importing
-    vLLM) and the vLLM metrics the dashboard and alerts may use."""
-    tree = ast.parse((ROOT / "vllm_kvdisk/ops/metrics.py").read_text())
+    """The plugin's metric names (``METRICS`` in vllm_kvdisk/ops/metricdefs.py, a literal read
+    without importing the package) and the vLLM metrics the dashboard and alerts may use."""
+    tree = ast.parse((ROOT / "vllm_kvdisk/ops/metricdefs.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id == "METRIC_NAMES" for t in node.targets):
-            names = set(ast.literal_eval(node.value))
+                isinstance(t, ast.Name) and t.id == "METRICS" for t in node.targets):
+            metrics = ast.literal_eval(node.value)
             break
     else:
-        raise RuntimeError("vllm_kvdisk/ops/metrics.py has no METRIC_NAMES")
+        raise RuntimeError("vllm_kvdisk/ops/metricdefs.py has no METRICS")
+    # Prometheus adds _total to counters (metricdefs.exported_name).
+    names = {f"vllm:kvdisk_{name}" + ("_total" if kind == "counter" else "")
+             for name, kind, *_ in metrics}
     return names | {"vllm:prompt_tokens_cached_by_source_total",
                     "vllm:time_to_first_token_seconds"}
 

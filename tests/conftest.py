@@ -44,3 +44,14 @@ def qwen3next_model(tmp_path_factory):
 
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "qwen3next",
                                 arch="qwen3next"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Engine tests are recognisable by their file's name: every test marked ``engine``
+    lives in a ``test_engine_*.py`` file, and those files hold engine tests only."""
+    wrong = [item.nodeid for item in items
+             if (item.get_closest_marker("engine") is not None)
+             != item.fspath.basename.startswith("test_engine_")]
+    if wrong:
+        raise pytest.UsageError("engine tests belong in tests/test_engine_*.py, and only "
+                                "they: " + ", ".join(wrong[:10]))

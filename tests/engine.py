@@ -63,3 +63,8 @@ def wait_events(path: str, kind: str, count: int = 1, timeout: float = 30.0,
         if len(found) >= count or time.monotonic() > deadline:
             return found
         time.sleep(0.05)
+
+
+def disk_tokens(server: Server) -> float:
+    """Prompt tokens the server reports as restored from disk, so far."""
+    return server.metric("vllm:prompt_tokens_cached_by_source_total", source="disk")

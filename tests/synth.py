@@ -1,11 +1,14 @@
-"""Synthetic checkpoints for core tests: a byte-level token table and random pages."""
+"""Synthetic set-ups for the core and storage tests: a byte-level token table, random
+pages, a store with one namespace, and an index of files built from id arrays."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from vllm_kvdisk.core.entry import Entry, head_digest
 from vllm_kvdisk.core.format import PageLayout, Reason
-from vllm_kvdisk.core.keys import Fingerprint, Grid
+from vllm_kvdisk.core.index import Index
+from vllm_kvdisk.core.keys import Fingerprint, Grid, token_digest
 from vllm_kvdisk.core.planner import Planner, Prompt, SavePlan, encode_plan
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.core.tokens import TokenTable
@@ -33,9 +36,10 @@ def make(tmp_path, **kw) -> tuple[Store, str]:
     return store, store.ensure_namespace(FP)
 
 
-def prompt(seed: int = 0, n: int = 400) -> Prompt:
-    """A prompt of ``n`` random byte tokens."""
-    return prompt_of(np.random.default_rng(seed).integers(0, 262, n))
+def prompt(seed: int = 0, n: int = 400, vocab: int = 262) -> Prompt:
+    """A prompt of ``n`` random tokens of ``byte_table`` below ``vocab`` (256: single bytes
+    only)."""
+    return prompt_of(np.random.default_rng(seed).integers(0, vocab, n))
 
 
 def planner(store: Store) -> Planner:
@@ -62,3 +66,34 @@ def save(store: Store, ns: str, prompt: Prompt, length: int, rng: np.random.Gene
     layers = pages(rng, plan)
     store.write(ns, plan.sha1, encode(plan, prompt, layers, now, tool_map))
     return plan, layers
+
+
+# -- an index without files: entries built from id arrays --------------------------
+
+def ids_of(seed: int, n: int = 400) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 30000, n).astype("<u4")
+
+
+class Disk:
+    """An index of files built from id arrays, with a reader of their stored ids."""
+
+    def __init__(self):
+        self.index = Index()
+        self.stored: dict[str, np.ndarray] = {}
+        self.reads = 0
+
+    def add(self, name: str, ids: np.ndarray, end: int, parent: str | None = None,
+            start: int = 0, ns: str = "n", size: int = 1000) -> Entry:
+        e = Entry(ns, name, end, parent, start, Reason.COLD, 0, 0, 0, size,
+                  token_digest(ids[:end]), head_digest(ids, start, BLOCK))
+        self.stored[name] = ids[:end].copy()
+        self.index.add(e)
+        return e
+
+    def read(self, entry: Entry, start: int, stop: int):
+        self.reads += 1
+        return self.stored[entry.sha1][start:stop]
+
+    def lookup(self, ids, limit=None, ns="n", include_pending=False):
+        return self.index.lookup(ns, ids, len(ids) if limit is None else limit, BLOCK, self.read,
+                                 include_pending=include_pending)

@@ -6,20 +6,17 @@ message naming the setting. No engine runs: kernel-block splits come from vLLM's
 
 from __future__ import annotations
 
-import hashlib
 import typing
 
 import numpy as np
 import pytest
 import torch
+from workers import make_worker, save_job
 
 from vllm_kvdisk.core.compat import (Placement, Shard, UnsupportedConfig, kv_dtype_identity, kv_shard,
                                 tp_replicas)
-from vllm_kvdisk.core.config import load_config
-from vllm_kvdisk.core.format import Reason
-from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta
+from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, Scope, StepMeta
 from vllm_kvdisk.core.keys import Fingerprint, rank_group
-from vllm_kvdisk.core.planner import SavePlan
 from vllm_kvdisk.connector.worker import WorkerSide
 
 NUM_BLOCKS = 12
@@ -27,27 +24,17 @@ LAYERS = 3
 IDS = np.arange(5_000, 5_000 + NUM_BLOCKS * 256, dtype="<u4")
 
 
-def fingerprint(block: int) -> Fingerprint:
-    return Fingerprint("m", "0", "float32", "cpu:test/1", block, 1, 0)
-
-
 def worker(tmp_path, block: int, placement: Placement, fp: Fingerprint | None = None,
            name: str = "kv") -> WorkerSide:
-    cfg = load_config({"kv_disk_dir": str(tmp_path / name), "kv_disk_min_free_mb": 0,
-                       "kv_disk_io_threads": 2, "kv_disk_lock_timeout_s": 3})
-    return WorkerSide(cfg, fp or fingerprint(block), block, placement)
+    return make_worker(tmp_path, None, block=block, fp=fp, placement=placement, name=name,
+                       kv_disk_io_threads=2, kv_disk_lock_timeout_s=3)
 
 
 def save(w: WorkerSide, blocks: list[int]) -> str:
-    block = w.block_size
-    tokens = len(blocks) * block
-    text = b"k" * tokens
-    sha1 = hashlib.sha1(text).hexdigest()
-    plan = SavePlan(w.base_fp.dirname(), sha1, tokens, None, 0, Reason.COLD)
-    w.wait_for_save(StepMeta(saves=[SaveJob("r", Scope(), plan, blocks, text,
-                                            IDS[:tokens].tobytes(), 4096)]))
+    job = save_job(IDS, blocks, block=w.block_size, ns=w.base_fp.dirname())
+    w.wait_for_save(StepMeta(saves=[job]))
     w.drain()
-    return sha1
+    return job.plan.sha1
 
 
 def load(w: WorkerSide, sha1: str, tokens: int, targets: list[int]) -> list[int]:

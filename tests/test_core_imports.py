@@ -13,7 +13,7 @@ import sys
 import vllm_kvdisk
 
 PURE_PACKAGES = ("core", "storage", "replay", "ops")
-FACES_VLLM = {"replay.plugin", "ops.metrics", "ops.serve"}
+FACES_VLLM = {"replay.plugin", "ops.metrics"}
 
 
 def pure_modules() -> list[str]:

@@ -13,7 +13,7 @@ import stat
 
 import numpy as np
 import pytest
-from synth import FP, prompt_of, save
+from synth import FP, prompt, save
 
 from engine import engine, generate, random_prompt
 from vllm_kvdisk.storage.store import Store
@@ -32,7 +32,7 @@ def plant_foreign(kv: str, scratch: str) -> None:
     for i, (name, info) in enumerate(FOREIGN.items()):
         other = Store(scratch, space_bytes=1 << 30)
         ns = other.ensure_namespace(FP)
-        plan, _ = save(other, ns, prompt_of(np.random.default_rng(i).integers(0, 262, 100)),
+        plan, _ = save(other, ns, prompt(i, 100),
                        48, np.random.default_rng(i))
         os.makedirs(os.path.join(kv, name), mode=0o700)
         os.rename(other.path(ns, plan.sha1), os.path.join(kv, name, f"{plan.sha1}.kv"))

@@ -241,8 +241,9 @@ def test_under_a_small_budget_both_ranks_lose_a_checkpoint_together(tiny_model, 
             body = {"model": tiny_model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
             answers.append(server.post("/v1/completions", body)["choices"][0]["text"])
             # One save per prompt, on each rank: wait until both have an outcome.
-            wait_for(trace, 0, lambda evs, n=2 * (i + 1): count(
-                evs, "saved", "save_skipped", "save_failed") >= n)
+            outcomes = ("saved", "save_skipped", "save_failed")
+            assert count(wait_for(trace, 0, lambda evs, n=2 * (i + 1): count(
+                evs, *outcomes) >= n), *outcomes) >= 2 * (i + 1)
         dirs = rank_dirs(kv)
         on_disk = {rank: kv_names(d) for rank, d in dirs.items()}
         size = sum(os.path.getsize(p) for d in dirs.values() for p in glob.glob(d + "/*.kv"))

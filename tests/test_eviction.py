@@ -2,7 +2,8 @@
 
 from vllm_kvdisk.core.eviction import HALF_LIFE_S, plan_eviction, score
 from vllm_kvdisk.core.format import Reason
-from vllm_kvdisk.core.index import Entry, Index
+from vllm_kvdisk.core.entry import Entry
+from vllm_kvdisk.core.index import Index
 
 
 def test_eviction_takes_leaves_only_lowest_score_first_and_protects():

@@ -278,7 +278,7 @@ def test_summary_reads_the_walk_key_in_at_most_two_reads(tmp_path, monkeypatch):
     header, checksum table and token ids when the text is longer than a page."""
     from vllm_kvdisk.storage import fileread as fmt
     from vllm_kvdisk.core.format import summary_of
-    from vllm_kvdisk.core.index import head_digest
+    from vllm_kvdisk.core.entry import head_digest
 
     layout = PageLayout("cpu:LBHNC", 4, 2, (1, 4, 2), "float32")
     ids = np.arange(4000, 4012, dtype="<u4")

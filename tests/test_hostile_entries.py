@@ -20,13 +20,14 @@ import struct
 import subprocess
 import sys
 import threading
+from typing import Callable
 
 import numpy as np
 import pytest
 import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from synth import FP, LAYOUT, encode, make, planner, prompt, save
+from synth import FP, make, planner, prompt, save
 
 from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.ops.cli import main
@@ -40,7 +41,8 @@ from vllm_kvdisk.core.format import (
     Reason,
     encode_checkpoint,
 )
-from vllm_kvdisk.core.index import Entry, Index
+from vllm_kvdisk.core.entry import Entry
+from vllm_kvdisk.core.index import Index
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.ops.trace import Trace
 from vllm_kvdisk.ops.trace import read as read_trace
@@ -75,6 +77,24 @@ def plant(path: str, kind: str) -> None:
     if kind == "directory" and os.path.lexists(path):
         os.unlink(path)
     os.rename(tmp, path)
+
+
+def scandir_then(swap: Callable[[list[os.DirEntry]], None]) -> Callable:
+    """An ``os.scandir`` stand-in: the real listing, read whole with each entry's type as
+    the listing saw it, then ``swap(entries)`` changes the directory before the caller
+    looks at any entry (a FIFO renamed in between the listing and the open)."""
+    real_scandir = os.scandir
+
+    @contextlib.contextmanager
+    def listing_then_swap(fd):
+        with real_scandir(fd) as it:
+            entries = list(it)
+        for de in entries:
+            de.is_file(follow_symlinks=False)  # cache what the listing saw
+        swap(entries)
+        yield iter(entries)
+
+    return listing_then_swap
 
 
 def no_traceback(capsys, *argv) -> tuple[int, str, str]:
@@ -147,18 +167,12 @@ def test_a_special_file_swapped_in_after_the_listing_is_skipped_by_the_scan(tmp_
     path = store.path(ns, plan.sha1)
     real_scandir = os.scandir
 
-    @contextlib.contextmanager
-    def listing_then_swap(fd):
-        with real_scandir(fd) as it:
-            entries = list(it)
-        for de in entries:
-            if de.name == f"{plan.sha1}.kv":
-                de.is_file(follow_symlinks=False)  # cache what the listing saw
-                plant(path, kind)
-        yield iter(entries)
+    def swap(entries):
+        if any(de.name == f"{plan.sha1}.kv" for de in entries):
+            plant(path, kind)
 
     fresh = Store(store.root, space_bytes=1 << 30)
-    monkeypatch.setattr(os, "scandir", listing_then_swap)
+    monkeypatch.setattr(os, "scandir", scandir_then(swap))
     fresh.scan()
     monkeypatch.setattr(os, "scandir", real_scandir)
     assert len(fresh.index) == 0 and fresh.quarantined_files() == []
@@ -216,17 +230,8 @@ def test_a_fifo_in_place_of_a_tool_call_log_never_hangs_the_reader(tmp_path, mon
     logs = os.path.join(root, DIRNAME)
     victim = next(n for n in os.listdir(logs) if n.endswith(".ktl"))
     real_scandir = os.scandir
-
-    @contextlib.contextmanager
-    def listing_then_swap(fd):
-        with real_scandir(fd) as it:
-            entries = list(it)
-        for de in entries:
-            de.is_file(follow_symlinks=False)
-        plant(os.path.join(logs, victim), "fifo")
-        yield iter(entries)
-
-    monkeypatch.setattr(os, "scandir", listing_then_swap)
+    monkeypatch.setattr(os, "scandir",
+                        scandir_then(lambda entries: plant(os.path.join(logs, victim), "fifo")))
     assert reader.poll() == []
     monkeypatch.setattr(os, "scandir", real_scandir)
     os.utime(os.path.join(logs, victim), (0, 0), follow_symlinks=False)
@@ -260,20 +265,21 @@ def test_a_hard_link_is_read_but_never_written_through(tmp_path):
 def test_a_special_file_in_a_chain_being_restored_is_recomputed_not_quarantined(tmp_path,
                                                                                 kind):
     torch = pytest.importorskip("torch")
-    import test_worker_io as wio
+    import workers
+    from vllm_kvdisk.connector.jobs import LoadFile
 
     torch.manual_seed(0)
-    layers = {f"model.layers.{i}.attn": torch.rand(wio.BLOCKS, 2, wio.BLOCK, 8)
-              for i in range(wio.LAYERS)}
-    w = wio.make_worker(tmp_path, layers)
+    layers = {f"model.layers.{i}.attn": torch.rand(64, 2, workers.BLOCK, 8) for i in range(4)}
+    w = workers.make_worker(tmp_path, layers)
+    ids = np.arange(10_000, 10_000 + 64 * workers.BLOCK, dtype="<u4")
     try:
-        ns = wio.FP.dirname()
-        sha1 = wio.save(w, list(range(wio.FILE_BLOCKS)))
-        path = w.store.path(ns, sha1)
+        sha1 = workers.save(w, workers.save_job(ids, list(range(8))))
+        path = w.store.path(workers.FP.dirname(), sha1)
         plant(path, kind)
-        targets = list(range(20, 20 + wio.FILE_BLOCKS))
-        assert wio.load(w, [wio.whole(sha1, 0, wio.FILE_BLOCKS * wio.BLOCK)], 0,
-                        targets) == targets
+        targets = list(range(20, 28))
+        tokens = 8 * workers.BLOCK
+        job = workers.load_job(ids, [LoadFile(sha1, 0, tokens, tokens)], 0, targets)
+        assert w._load(job) == targets
         assert os.path.lexists(path) and w.store.quarantined_files() == []
     finally:
         w.shutdown()

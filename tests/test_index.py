@@ -1,41 +1,11 @@
-"""Index scenarios: chains, lookups at any block boundary, partial files; a save's parent."""
+"""Index scenarios: chains, lookups at any block boundary, partial files, pending saves."""
 
-import numpy as np
+from synth import BLOCK, Disk, ids_of
 
 from vllm_kvdisk.core.format import Reason
-from vllm_kvdisk.core.index import Entry, Index, Miss, head_digest
+from vllm_kvdisk.core.entry import Entry, head_digest
+from vllm_kvdisk.core.index import Index, Miss
 from vllm_kvdisk.core.keys import token_digest
-
-BS = 16
-
-
-def ids_of(seed: int, n: int = 400) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 30000, n).astype("<u4")
-
-
-class Disk:
-    """An index of files built from id arrays, with a reader of their stored ids."""
-
-    def __init__(self):
-        self.index = Index()
-        self.stored: dict[str, np.ndarray] = {}
-        self.reads = 0
-
-    def add(self, name: str, ids: np.ndarray, end: int, parent: str | None = None,
-            start: int = 0, ns: str = "n", size: int = 1000) -> Entry:
-        e = Entry(ns, name, end, parent, start, Reason.COLD, 0, 0, 0, size,
-                  token_digest(ids[:end]), head_digest(ids, start, BS))
-        self.stored[name] = ids[:end].copy()
-        self.index.add(e)
-        return e
-
-    def read(self, entry: Entry, start: int, stop: int):
-        self.reads += 1
-        return self.stored[entry.sha1][start:stop]
-
-    def lookup(self, ids, limit=None, ns="n", include_pending=False):
-        return self.index.lookup(ns, ids, len(ids) if limit is None else limit, BS, self.read,
-                                 include_pending=include_pending)
 
 
 def spans(lookup):
@@ -112,7 +82,7 @@ def test_other_namespace_and_pending_saves():
     got = d.lookup(a)
     assert got.miss is Miss.OTHER_NAMESPACE and got.other_namespaces == ("other",)
     e = Entry("n", "p", 96, None, 0, Reason.COLD, 0, 0, 0, 0, token_digest(a[:96]),
-              head_digest(a, 0, BS), ids=a[:96])
+              head_digest(a, 0, BLOCK), ids=a[:96])
     assert d.index.reserve(e) and not d.index.reserve(e)
     assert d.lookup(a).tokens == 0  # pending: never a lookup hit
     assert d.lookup(a, include_pending=True).tokens == 96  # but a parent for save planning
@@ -150,33 +120,3 @@ def test_hostile_cycles_and_huge_fanout_stay_bounded():
     e = Entry("n", "loop", 64, "loop", 32, Reason.COLD, 0, 0, 0, 1, 0, 0)
     d.index.add(e)
     assert d.index.chain("n", "loop") is None
-
-
-def test_grid_saves_rebase_on_the_grid_so_chains_stay_shallow():
-    """A conversation growing turn by turn: tails chain on each other between grid points,
-    and each grid checkpoint is a delta on the previous grid checkpoint, not on the tails,
-    so the chain is the grid points plus the tails since the last one."""
-    from synth import prompt_of
-
-    from vllm_kvdisk.core.keys import Grid
-    from vllm_kvdisk.core.planner import Planner
-
-    grid = Grid(256, 32, BS)
-    d = Disk()
-    planner = Planner(d.index, BS, d.read)
-    ids = ids_of(10, 2000)
-    prompt = prompt_of(ids % 262)
-    ids = prompt.ids
-    for end in range(80, 1800, 80):  # 80 new tokens per turn
-        for pos in sorted({grid.floor(end), grid.block_floor(end)} - {0}):
-            plan = planner.plan_save("n", prompt, pos, Reason.COLD,
-                                     spine=grid.is_position if grid.is_position(pos) else None)
-            if plan is not None:
-                d.add(plan.sha1, ids, pos, plan.parent, plan.parent_tokens)
-    got = d.lookup(ids, 1800)
-    ends = [s.upto for s in got.segments]
-    assert got.tokens == max(grid.floor(1760), grid.block_floor(1760))
-    on_grid = [e for e in ends if grid.is_position(e)]
-    assert on_grid == grid.positions_upto(got.tokens)  # every grid point, in order
-    assert len(ends) - len(on_grid) <= 256 // 80 + 1  # only the tails since the last one
-    assert len(d.index) > len(ends)  # the superseded tails are still there, as leaves

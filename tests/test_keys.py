@@ -6,6 +6,7 @@ from synth import byte_table
 from vllm_kvdisk.core.keys import (
     Fingerprint,
     Grid,
+    Namespaces,
     as_token_array,
     salt_digest,
     token_digest,
@@ -89,6 +90,21 @@ def test_namespaces_separate_models_salts_and_layouts():
     names = {base.dirname()} | {v.dirname() for v in variants}
     assert len(names) == 7
     assert salt_digest(None) == "" and "s" not in salt_digest("s")
+
+
+def test_a_scope_names_one_namespace_per_engine_rank():
+    """Both halves ask Namespaces for a request's namespace: the scope's fingerprint on
+    their rank's engine fingerprint, and its directory name."""
+    rank0 = Fingerprint("m", "r", "float32", "cpu:LBHNC", 128, 2, 0)
+    rank1 = Fingerprint("m", "r", "float32", "cpu:LBHNC", 128, 2, 1)
+    salt = salt_digest("tenant")
+    scoped = Namespaces(rank0).fingerprint("adapter", salt)
+    assert scoped == Fingerprint("m", "r", "float32", "cpu:LBHNC", 128, 2, 0, lora="adapter",
+                                 salt_digest=salt)
+    assert Namespaces(rank0).name("adapter", salt) == scoped.dirname()
+    names = {Namespaces(fp).name(lora, s) for fp in (rank0, rank1) for lora in ("", "adapter")
+             for s in ("", salt)}
+    assert len(names) == 8
 
 
 def test_empty_table_and_prompt():

@@ -6,11 +6,12 @@ import threading
 
 import numpy as np
 import pytest
-from synth import FP, encode, pages, planner, prompt_of, save
+from synth import FP, encode, pages, planner, prompt, prompt_of, save
 
 from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage import verify as verify_module
 from vllm_kvdisk.storage.budget import SaveSkipped
+from vllm_kvdisk.storage.directory import Directory
 from vllm_kvdisk.core.format import HEADER_FIELD_HITS, Reason
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.storage.verify import verify
@@ -23,10 +24,6 @@ def replicas(tmp_path, **kw):
     b = Store(a.root, **kw)
     b.scan()
     return a, b, ns
-
-
-def prompt(seed=0, n=400):
-    return prompt_of(np.random.default_rng(seed).integers(0, 256, n))
 
 
 def test_a_name_on_disk_is_never_replaced_by_other_content(tmp_path):
@@ -60,7 +57,7 @@ def test_a_reused_inode_is_not_mistaken_for_the_file_it_held(tmp_path):
     deleted Q under X: an orphan, and a budget counted with the wrong size."""
     a, b, ns = replicas(tmp_path)
     rng = np.random.default_rng(0)
-    p = prompt(3)
+    p = prompt(3, vocab=256)
     x, _ = save(a, ns, p, 48, rng)
     b.refresh(ns)
     b.remove_file(ns, x.sha1)  # B evicts X ...
@@ -84,11 +81,11 @@ def test_verify_fix_decides_orphans_from_the_directory_as_it_is_at_the_end(tmp_p
     during the pass is gone, not "unreadable": verify used to fail on a live cache."""
     a, b, ns = replicas(tmp_path)
     rng = np.random.default_rng(0)
-    p = prompt(4)
+    p = prompt(4, vocab=256)
     root, _ = save(a, ns, p, 48, rng)
     child, _ = save(a, ns, p, 112, rng)
     grandchild, _ = save(a, ns, p, 176, rng)
-    leaf, _ = save(a, ns, prompt(5), 48, rng)
+    leaf, _ = save(a, ns, prompt(5, vocab=256), 48, rng)
     os.unlink(a.path(ns, root.sha1))  # a crash left the children without their parent
     b.scan()
     real = verify_module.check_file
@@ -116,9 +113,9 @@ def test_a_file_another_replica_hit_is_not_evicted_as_cold(tmp_path):
     now = [1000.0]
     a, b, ns = replicas(tmp_path, clock=lambda: now[0])
     rng = np.random.default_rng(0)
-    hot, _ = save(a, ns, prompt(6), 48, rng, now=1000)
+    hot, _ = save(a, ns, prompt(6, vocab=256), 48, rng, now=1000)
     now[0] = 1001
-    cold, _ = save(a, ns, prompt(7), 48, rng, now=1001)
+    cold, _ = save(a, ns, prompt(7, vocab=256), 48, rng, now=1001)
     b.refresh(ns)
     for _ in range(20):
         b.touch(ns, hot.sha1)
@@ -131,7 +128,7 @@ def test_hits_of_two_replicas_on_one_file_add_up(tmp_path, monkeypatch):
     once both read 0 and both wrote 1. The barrier places B's whole hit between A's read
     and A's write; a hit now holds the file's lock, so B waits for A instead."""
     a, b, ns = replicas(tmp_path)
-    plan, _ = save(a, ns, prompt(8), 48, np.random.default_rng(0))
+    plan, _ = save(a, ns, prompt(8, vocab=256), 48, np.random.default_rng(0))
     b.refresh(ns)
     a_read, b_waits = threading.Event(), threading.Event()
     real_pread, real_flock = os.pread, fsdir.fcntl.flock
@@ -172,8 +169,8 @@ def test_remove_namespace_deletes_its_files_outside_the_lock(tmp_path, monkeypat
     a, b, ns = replicas(tmp_path)
     rng = np.random.default_rng(0)
     for seed in range(3):
-        save(a, ns, prompt(seed), 48, rng)
-    real = Store._delete_tree
+        save(a, ns, prompt(seed, vocab=256), 48, rng)
+    real = Directory.delete_tree
     lock_free = []
 
     def delete_tree(self, name, **kwargs):
@@ -181,7 +178,7 @@ def test_remove_namespace_deletes_its_files_outside_the_lock(tmp_path, monkeypat
             lock_free.append(name)
         return real(self, name, **kwargs)
 
-    monkeypatch.setattr(Store, "_delete_tree", delete_tree)
+    monkeypatch.setattr(Directory, "delete_tree", delete_tree)
     assert a.remove_namespace(ns) == 3
     assert lock_free
     assert [n for n in os.listdir(a.root) if n != ".lock"] == []
@@ -192,7 +189,7 @@ def test_trash_left_by_a_killed_remover_goes_at_the_next_scan(tmp_path):
     inside it, or a writer's temp file left the renamed directory for good, hidden from
     ls, stats and verify, and counting against the free-space watermark."""
     a, b, ns = replicas(tmp_path)
-    save(a, ns, prompt(1), 48, np.random.default_rng(0))
+    save(a, ns, prompt(1, vocab=256), 48, np.random.default_rng(0))
     trash = os.path.join(a.root, f".trash-{ns}-123-456")
     os.rename(a.ns_dir(ns), trash)  # the remover was killed here
     os.makedirs(os.path.join(trash, "made", "inside"))
@@ -220,24 +217,24 @@ def test_a_save_lists_the_namespace_only_after_another_replica_changed_it(tmp_pa
     only when another process changed something since this store's last look."""
     a, b, ns = replicas(tmp_path)
     rng = np.random.default_rng(0)
-    save(a, ns, prompt(0), 48, rng)
+    save(a, ns, prompt(0, vocab=256), 48, rng)
     real = os.scandir
     listed = []
 
     def scandir(path=None):
-        if isinstance(path, int) and path == a._ns[ns].fd:
+        if isinstance(path, int) and path == a.directory.namespace(ns).fd:
             listed.append(path)
         return real(path)
 
     monkeypatch.setattr(os, "scandir", scandir)
     for seed in (1, 2, 3):
-        save(a, ns, prompt(seed), 48, rng)
+        save(a, ns, prompt(seed, vocab=256), 48, rng)
     assert listed == []
     b.refresh(ns)
-    theirs, _ = save(b, ns, prompt(4), 48, rng)
+    theirs, _ = save(b, ns, prompt(4, vocab=256), 48, rng)
     b.remove_file(ns, theirs.sha1)
-    again, _ = save(b, ns, prompt(5), 48, rng)
-    save(a, ns, prompt(6), 48, rng)
+    again, _ = save(b, ns, prompt(5, vocab=256), 48, rng)
+    save(a, ns, prompt(6, vocab=256), 48, rng)
     assert len(listed) == 1  # another replica's changes: seen at the next save
     assert a.index.get(ns, again.sha1) is not None and a.index.get(ns, theirs.sha1) is None
     fresh = Store(a.root, space_bytes=1 << 30)
@@ -282,9 +279,9 @@ def test_a_hard_linked_lock_file_is_never_written(tmp_path):
     victim.write_bytes(b"precious")
     os.link(victim, os.path.join(a.root, ".lock"))
     rng = np.random.default_rng(0)
-    save(a, ns, prompt(1), 48, rng)
-    theirs, _ = save(b, ns, prompt(2), 48, rng)
-    save(a, ns, prompt(3), 48, rng)
+    save(a, ns, prompt(1, vocab=256), 48, rng)
+    theirs, _ = save(b, ns, prompt(2, vocab=256), 48, rng)
+    save(a, ns, prompt(3, vocab=256), 48, rng)
     assert victim.read_bytes() == b"precious"
     assert a.index.get(ns, theirs.sha1) is not None
 
@@ -297,7 +294,7 @@ def test_reset_cache_leaves_the_deletion_to_a_thread(tmp_path, monkeypatch):
     a, b, ns = replicas(tmp_path)
     rng = np.random.default_rng(0)
     for seed in range(3):
-        save(a, ns, prompt(seed), 48, rng)
+        save(a, ns, prompt(seed, vocab=256), 48, rng)
     started, gate = threading.Event(), threading.Event()
     real = shutil.rmtree
 

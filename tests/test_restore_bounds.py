@@ -5,55 +5,41 @@ device page paths)."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import resource
 
 import numpy as np
 import pytest
 import torch
+from workers import BLOCK, FP, make_worker, save_job
 
 from vllm_kvdisk.connector import restore as restore_mod
-from vllm_kvdisk.core.config import load_config
-from vllm_kvdisk.core.format import Reason
-from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta
-from vllm_kvdisk.core.keys import Fingerprint
-from vllm_kvdisk.core.planner import SavePlan
+from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, Scope, StepMeta
 from vllm_kvdisk.connector.worker import WorkerSide
 
-BLOCK = 16
-FP = Fingerprint("m", "0", "float32", "cpu:test/1", BLOCK, 1, 0)
 
 
-def make_worker(tmp_path, blocks: int) -> tuple[WorkerSide, list[torch.Tensor]]:
+def make(tmp_path, blocks: int) -> tuple[WorkerSide, list[torch.Tensor]]:
     torch.manual_seed(3)
     caches = {f"model.layers.{i}.attn": torch.rand(blocks, 1, BLOCK, 4) for i in range(2)}
-    cfg = load_config({"kv_disk_dir": str(tmp_path / "kv"), "kv_disk_min_free_mb": 0,
-                       "kv_disk_io_threads": 2})
-    w = WorkerSide(cfg, FP, BLOCK)
-    w.register_kv_caches(caches)
-    return w, list(caches.values())
-
-
-def text(tokens: int) -> bytes:
-    return b"%d:" % tokens + b"t" * tokens
+    return make_worker(tmp_path, caches, kv_disk_io_threads=2), list(caches.values())
 
 
 def save(w: WorkerSide, ids: np.ndarray, blocks: list[int], start: int,
          parent: str | None) -> str:
+    """Hand a save to the worker without waiting for it (a text of its own per length)."""
     tokens = start + len(blocks) * BLOCK
-    sha1 = hashlib.sha1(text(tokens)).hexdigest()
-    plan = SavePlan(FP.dirname(), sha1, tokens, parent, start, Reason.COLD)
-    w.wait_for_save(StepMeta(saves=[SaveJob("r", Scope(), plan, blocks, text(tokens),
-                                            ids[:tokens].tobytes(), 1 << 20)]))
-    return sha1
+    job = save_job(ids, blocks, start=start, parent=parent,
+                   text=b"%d:" % tokens + b"t" * tokens)
+    w.wait_for_save(StepMeta(saves=[job]))
+    return job.plan.sha1
 
 
 def test_a_chain_longer_than_the_open_file_limit_restores_completely(tmp_path):
     """Every file of a chain used to be open at once: past the descriptor limit the load
     failed part-way and the rest was recomputed."""
     files = 1000
-    w, layers = make_worker(tmp_path, 2 * files)
+    w, layers = make(tmp_path, 2 * files)
     ids = np.arange(1, 1 + files * BLOCK, dtype="<u4")
     try:
         chain, parent = [], None
@@ -85,7 +71,7 @@ def test_unused_pages_are_checksummed_through_a_bounded_scratch(tmp_path, monkey
     into one scratch of their whole size (a size-consistent hostile file could ask for any
     amount). Now no buffer is larger than the used pages or the scratch cap, and a flipped
     byte in an unused page is still caught by the layer's checksum."""
-    w, layers = make_worker(tmp_path, 32)
+    w, layers = make(tmp_path, 32)
     ids = np.arange(1, 1 + 12 * BLOCK, dtype="<u4")
     page = w.mover.page_bytes
     monkeypatch.setattr(restore_mod, "SCRATCH_BYTES", page, raising=False)

@@ -11,32 +11,23 @@ held at a gate (a delaying mover) and a store whose writes are held at another.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 
 import numpy as np
 import pytest
 import torch
+from workers import BLOCK, make_worker, save_job
 
-from vllm_kvdisk.core.config import load_config
-from vllm_kvdisk.core.format import Reason
 from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta
-from vllm_kvdisk.core.keys import Fingerprint
-from vllm_kvdisk.core.planner import SavePlan
 from vllm_kvdisk.connector.worker import WorkerSide
 
-BLOCK = 16
 BLOCKS = 32
-FP = Fingerprint("m", "0", "float32", "cpu:test/1", BLOCK, 1, 0)
 IDS = np.arange(7_000, 7_000 + BLOCKS * BLOCK, dtype="<u4")
 WAIT = 60  # seconds before a wait that should end counts as a hang
 
 
 def job(req: str, blocks: list[int], seed: int) -> SaveJob:
-    tokens = len(blocks) * BLOCK
-    text = f"{seed}:".encode() + b"x" * tokens
-    plan = SavePlan(FP.dirname(), hashlib.sha1(text).hexdigest(), tokens, None, 0, Reason.COLD)
-    return SaveJob(req, Scope(), plan, blocks, text, IDS[:tokens].tobytes(), 4096)
+    return save_job(IDS, blocks, req=req, text=f"{seed}:".encode() + b"x" * len(blocks) * BLOCK)
 
 
 def load_job(sha1: str, blocks: int, targets: list[int]) -> LoadJob:
@@ -66,10 +57,7 @@ def side(tmp_path):
     def make(**extra):
         torch.manual_seed(0)
         caches = {f"model.layers.{i}.attn": torch.rand(BLOCKS, 8, BLOCK, 128) for i in range(2)}
-        cfg = load_config({"kv_disk_dir": str(tmp_path / "kv"), "kv_disk_min_free_mb": 0,
-                           "kv_disk_io_threads": 1, **extra})
-        w = WorkerSide(cfg, FP, BLOCK)
-        w.register_kv_caches(caches)
+        w = make_worker(tmp_path, caches, **{"kv_disk_io_threads": 1, **extra})
         made.append(w)
         return w, list(caches.values())
     made: list[WorkerSide] = []
@@ -154,9 +142,12 @@ def test_saves_past_the_staging_cap_are_skipped_as_busy(side):
     w.wait_for_save(StepMeta(saves=[small, more]))  # 128 KiB fits, 512 KiB more does not
     report = w.build_connector_worker_meta()
     assert report is not None and report.failed_saves == [(more.plan.ns, more.plan.sha1)]
-    assert w.stats.snapshot().data["saves_skipped"] == {"busy": 1}
+    assert w.stats.snapshot()["saves_skipped"] == {"busy": 1}
     gate.open.set()
     w.drain()
     report = w.build_connector_worker_meta()
     assert sorted(e.sha1 for e in report.written) == sorted([big.plan.sha1, small.plan.sha1])
     assert w._staged == 0  # every byte given back
+    page = 64 << 10
+    assert w.staging_peak == 21 * 2 * page <= 3 << 20  # the most ever held, under the cap
+    assert w.get_kv_connector_stats().data["staging_peak_bytes"] == w.staging_peak

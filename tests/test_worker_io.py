@@ -9,35 +9,24 @@ under every KV cache layout vLLM defines (strided per-layer views, as vLLM hands
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import numpy as np
 import pytest
 import torch
+import workers
+from workers import BLOCK, FP, load_job, make_worker, save_job
 
 from vllm_kvdisk.storage import fileread as fmt
 from vllm_kvdisk.connector import restore as restore_mod
 from vllm_kvdisk.core.config import load_config
-from vllm_kvdisk.core.format import Reason
-from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta
+from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, Scope
 from vllm_kvdisk.core.keys import Fingerprint
-from vllm_kvdisk.core.planner import SavePlan
 from vllm_kvdisk.connector.worker import WorkerSide
 
-BLOCK = 16
 LAYERS = 4
 BLOCKS = 64
 FILE_BLOCKS = 8
-FP = Fingerprint("m", "0", "float32", "cpu:test/1", BLOCK, 1, 0)
-
-
-def make_worker(tmp_path, layers: dict) -> WorkerSide:
-    cfg = load_config({"kv_disk_dir": str(tmp_path / "kv"), "kv_disk_min_free_mb": 0,
-                       "kv_disk_io_threads": 3})
-    w = WorkerSide(cfg, FP, BLOCK)
-    w.register_kv_caches(layers)
-    return w
 
 
 @pytest.fixture
@@ -54,22 +43,11 @@ IDS = np.arange(10_000, 10_000 + BLOCKS * BLOCK, dtype="<u4")
 
 def save(w: WorkerSide, blocks: list[int], start: int = 0, parent: str | None = None) -> str:
     """Save request blocks [start/BLOCK, ...) held in engine blocks ``blocks``."""
-    tokens = start + len(blocks) * BLOCK
-    text = b"t" * tokens
-    sha1 = hashlib.sha1(text).hexdigest()
-    plan = SavePlan(FP.dirname(), sha1, tokens, parent, start, Reason.COLD)
-    w.wait_for_save(StepMeta(saves=[SaveJob("r", Scope(), plan, blocks, text,
-                                            IDS[:tokens].tobytes(), 4096)]))
-    w.drain()
-    report = w.build_connector_worker_meta()
-    if report is None or sha1 not in [e.sha1 for e in report.written]:
-        raise AssertionError(f"save failed: {report}")
-    return sha1
+    return workers.save(w, save_job(IDS, blocks, start=start, parent=parent))
 
 
 def load(w, files, start_block, targets, ids=IDS):
-    hit = files[-1].upto
-    return w._load(LoadJob("r", Scope(), files, start_block, targets, ids[:hit].tobytes()))
+    return w._load(load_job(ids, files, start_block, targets))
 
 
 def whole(sha1, start, end):

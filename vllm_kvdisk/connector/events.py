@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from vllm_kvdisk.core.index import Key
+from vllm_kvdisk.core.entry import Key
 
 MEDIUM = "STORAGE"  # vllm.distributed.kv_events.MEDIUM_STORAGE: vLLM's disk-tier medium
 MAX_KNOWN_FILES = 200_000

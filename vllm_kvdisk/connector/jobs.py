@@ -15,16 +15,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from vllm_kvdisk.core.index import Entry
+from vllm_kvdisk.core.entry import Entry
+from vllm_kvdisk.core.keys import Scope
 from vllm_kvdisk.core.planner import SavePlan
-
-
-@dataclass(slots=True)
-class Scope:
-    """The private part of a namespace: LoRA adapter and cache salt (digest only)."""
-
-    lora: str = ""
-    salt_digest: str = ""
 
 
 @dataclass(slots=True)

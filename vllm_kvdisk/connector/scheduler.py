@@ -32,10 +32,12 @@ from vllm_kvdisk.connector.events import DiskEvents
 from vllm_kvdisk.core.format import FULL_ONLY, Group, GroupKind, Reason, window_blocks
 from vllm_kvdisk.core.index import Lookup, Miss
 from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta, WorkerReport
-from vllm_kvdisk.core.keys import Fingerprint, Grid, as_token_array, salt_digest
+from vllm_kvdisk.core.keys import Fingerprint, Grid, Namespaces, as_token_array, salt_digest
 from vllm_kvdisk.core.lifecycle import RequestState
 from vllm_kvdisk.core.logs import get_logger
-from vllm_kvdisk.ops.metrics import KVDiskStats, StatsRecorder, guarded
+from vllm_kvdisk.connector.guard import guarded
+from vllm_kvdisk.ops.metrics import KVDiskStats, snapshot
+from vllm_kvdisk.ops.recorder import StatsRecorder
 from vllm_kvdisk.core.planner import Planner, Prompt, trim_to_windows, window_sources
 from vllm_kvdisk.core.policy import LoadCostModel
 from vllm_kvdisk.core.saverules import SaveRules
@@ -84,7 +86,7 @@ class SchedulerSide:
         self._saves: list[SaveJob] = []
         self._holds: list[str] = []  # finished requests held for their copies, to tell workers
         self._held: set[str] = set()  # ... until their finished_sending arrives
-        self._ns_cache: dict[tuple[str, str], str] = {}
+        self.namespaces = Namespaces(fingerprint)
         self._last_refresh = 0.0
         self._stale: set[str] = set()  # namespaces to re-list at the next lookup
         self._quarantined_seen = 0
@@ -119,10 +121,7 @@ class SchedulerSide:
 
     # -- requests ---------------------------------------------------------------------
     def _ns(self, scope: Scope) -> str:
-        key = (scope.lora, scope.salt_digest)
-        if key not in self._ns_cache:
-            self._ns_cache[key] = self.base_fp.scoped(scope.lora, scope.salt_digest).dirname()
-        return self._ns_cache[key]
+        return self.namespaces.name(scope.lora, scope.salt_digest)
 
     def _state(self, request: Any) -> RequestState:
         st = self._reqs.get(request.request_id)
@@ -375,7 +374,7 @@ class SchedulerSide:
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         return self._finished(request, [list(block_ids)])
 
-    @guarded("request_finished_all_groups", lambda: (False, None))
+    @guarded("request_finished", lambda: (False, None))  # the same hook, per group
     def request_finished_all_groups(self, request: Any,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         return self._finished(request, [list(ids) for ids in block_ids])
@@ -473,7 +472,7 @@ class SchedulerSide:
         if new_quarantines:
             self.stats.add("quarantined", new_quarantines)
             self._quarantined_seen = store.stats.quarantined
-        return self.stats.snapshot()
+        return snapshot(self.stats)
 
     def shutdown(self) -> None:
         self.diagnostics.close()

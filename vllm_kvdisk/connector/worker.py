@@ -36,11 +36,13 @@ from vllm_kvdisk.storage.budget import SaveSkipped
 from vllm_kvdisk.core.compat import Placement
 from vllm_kvdisk.core.config import KVDiskConfig
 from vllm_kvdisk.core.format import FormatError, GroupKind
-from vllm_kvdisk.core.index import Entry
+from vllm_kvdisk.core.entry import Entry
 from vllm_kvdisk.connector.jobs import LoadJob, SaveJob, Scope, StepMeta, WorkerReport
-from vllm_kvdisk.core.keys import Fingerprint
+from vllm_kvdisk.core.keys import Fingerprint, Namespaces
 from vllm_kvdisk.core.logs import get_logger
-from vllm_kvdisk.ops.metrics import KVDiskStats, StatsRecorder, guarded
+from vllm_kvdisk.connector.guard import guarded
+from vllm_kvdisk.ops.metrics import KVDiskStats, snapshot
+from vllm_kvdisk.ops.recorder import StatsRecorder
 from vllm_kvdisk.core.planner import encode_plan
 from vllm_kvdisk.connector.restore import Restorer
 from vllm_kvdisk.connector.staging import StagingPool
@@ -70,6 +72,7 @@ class WorkerSide:
         # rank, summed).
         self._counts_tokens = placement.tp_rank == 0 and placement.pp_rank == 0
         self.base_fp = fingerprint
+        self.namespaces = Namespaces(fingerprint)
         self.block_size = block_size
         self.trace = Trace.from_config(config)
         self.store = Store.from_config(config, on_evict=self._on_evict)
@@ -93,6 +96,7 @@ class WorkerSide:
         self._copying: dict[str, int] = {}  # req id -> copies not finished
         self._copy_ended = threading.Condition(self._lock)
         self._staged = 0  # bytes of staging held by saves in flight
+        self.staging_peak = 0  # the most _staged has been (a gauge: how near the cap)
         self._staging_cap = config.kv_disk_staging_inflight_mb << 20
         self._step: tuple[int, float] = (0, 0.0)  # (tokens, start) of the step in flight
 
@@ -128,7 +132,7 @@ class WorkerSide:
             sys.setswitchinterval(want)
 
     def _fp(self, scope: Scope) -> Fingerprint:
-        return self.base_fp.scoped(scope.lora, scope.salt_digest)
+        return self.namespaces.fingerprint(scope.lora, scope.salt_digest)
 
     def _on_evict(self, entry: Entry) -> None:
         self.stats.add("evictions")
@@ -153,7 +157,7 @@ class WorkerSide:
             self.stats.count("lookups", "load_failed:")
             return list(job.block_ids)
         fp = self._fp(job.scope)
-        ns = fp.dirname()
+        ns = self.namespaces.name(job.scope.lora, job.scope.salt_digest)
         t0 = time.perf_counter()
         out = self.restorer.load(ns, fp.digest(), job,
                                  lambda sha1, why, inode: self._quarantine(ns, sha1, why, inode))
@@ -251,6 +255,7 @@ class WorkerSide:
             busy = staged + nbytes > self._staging_cap
             if not busy:
                 self._staged += nbytes
+                self.staging_peak = max(self.staging_peak, self._staged)
                 self._copying[job.req_id] = self._copying.get(job.req_id, 0) + 1
             parent = self._inflight.get(job.plan.parent) if job.plan.parent else None
             done: Future = Future()
@@ -445,7 +450,8 @@ class WorkerSide:
 
     def get_kv_connector_stats(self) -> KVDiskStats | None:
         self.stats.set("pending_writes", len(self._inflight))
-        return self.stats.snapshot()
+        self.stats.set("staging_peak_bytes", self.staging_peak)
+        return snapshot(self.stats)
 
     def shutdown(self) -> None:
         """Flush: every save already handed over is copied and written before we return."""

@@ -17,7 +17,8 @@ import heapq
 import math
 from typing import Iterable, Mapping
 
-from vllm_kvdisk.core.index import Entry, Index, Key
+from vllm_kvdisk.core.entry import Entry, Key
+from vllm_kvdisk.core.index import Index
 
 HALF_LIFE_S = 6 * 3600
 # Eviction scores in one bucket [SCORE_STEP**k, SCORE_STEP**(k+1)) are ties (then LRU):

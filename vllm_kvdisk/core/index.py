@@ -1,4 +1,5 @@
-"""In-memory index of the checkpoints on disk: entries, chains, lookups, eviction plans.
+"""In-memory index of the checkpoints on disk: its tables, two-phase saves, chains, and
+the lookup walk (entries: ``entry``; eviction plans: ``eviction``).
 
 A file owns the blocks ``[start, end)`` of one token sequence (``start`` = its parent's
 share, 0 for a root) and stores the token ids of the whole prefix ``[0, end)``. Its parent
@@ -32,7 +33,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import numpy as np
 import xxhash
 
-from vllm_kvdisk.core.format import Reason, Summary
+from vllm_kvdisk.core.entry import Entry, Key
 
 # Candidate checks per lookup that did not extend the path by a whole file (a digest that
 # differs, a partial read of stored ids): bounds what hostile trees can cost. A whole
@@ -41,50 +42,7 @@ from vllm_kvdisk.core.format import Reason, Summary
 # linear in its length.
 MAX_WALK_STEPS = 512
 
-Key = tuple[str, str]  # (namespace, sha1)
-IdsReader = Callable[["Entry", int, int], "np.ndarray | None"]
-
-
-@dataclass(slots=True)
-class Entry:
-    ns: str
-    sha1: str
-    tokens: int  # end: the checkpoint covers token ids [0, tokens)
-    parent: str | None
-    parent_tokens: int  # start: the file owns blocks [parent_tokens, tokens)
-    reason: Reason
-    hits: int
-    created: int
-    last_used: int
-    size: int
-    token_digest: int  # xxh3-64 of the u32 LE ids [0, tokens)
-    head: int  # xxh3-64 of the u32 LE ids of the first owned block
-    ids_at: int = 0  # file offset of the stored token ids
-    inode: int = 0  # identity of the file on disk, with its size and mtime_ns: a freed
-    mtime_ns: int = 0  # inode is reused at once (ext4), so the inode alone is not enough
-    pending: bool = False  # a save in flight: no file yet
-    used_ns: int = 0  # last use (or the file's mtime) in ns: orders equal scores
-    ids: np.ndarray | None = field(default=None, repr=False)  # pending saves: their ids
-
-    @property
-    def key(self) -> Key:
-        return (self.ns, self.sha1)
-
-
-def entry_of(ns: str, sha1: str, summary: Summary, size: int, inode: int,
-             used_ns: int = 0, mtime_ns: int = 0) -> Entry:
-    """The index entry of a file, from what a scan reads or a writer just encoded
-    (``used_ns``: the file's mtime, or the time of the write)."""
-    h = summary.header
-    return Entry(ns, sha1, h.tokens, summary.parent_sha1, summary.parent_tokens, h.reason,
-                 h.hits, h.created, h.last_used, size, summary.token_digest, summary.head,
-                 summary.ids_at, inode, mtime_ns, used_ns=used_ns)
-
-
-def head_digest(ids: np.ndarray, start: int, block_size: int) -> int:
-    """The walk key of a file starting at ``start``: xxh3-64 of its first block's ids."""
-    block = np.ascontiguousarray(ids[start:start + block_size], dtype="<u4")
-    return xxhash.xxh3_64_intdigest(block.tobytes())
+IdsReader = Callable[[Entry, int, int], "np.ndarray | None"]
 
 
 class Miss(str, Enum):
@@ -430,5 +388,3 @@ class Index:
             result.other_namespaces = others
         else:
             result.miss = Miss.NO_CHECKPOINT
-
-    # -- eviction ---------------------------------------------------------------------

@@ -129,6 +129,31 @@ class Fingerprint:
         return replace(self, lora=lora, salt_digest=salt_digest)
 
 
+class Namespaces:
+    """An engine's namespaces by privacy scope (LoRA adapter, cache salt digest): the one
+    derivation of a scope's fingerprint and directory name. Each half of the connector
+    holds one, from its own rank's engine fingerprint (the scheduler's is rank 0's), and
+    asks it for every request and job; the digest is computed once per scope."""
+
+    def __init__(self, engine: Fingerprint):
+        self.engine = engine
+        self._known: dict[tuple[str, str], tuple[Fingerprint, str]] = {}
+
+    def _of(self, lora: str, salt_digest: str) -> tuple[Fingerprint, str]:
+        key = (lora, salt_digest)
+        found = self._known.get(key)
+        if found is None:
+            fp = self.engine.scoped(lora, salt_digest)
+            found = self._known[key] = (fp, fp.dirname())
+        return found
+
+    def fingerprint(self, lora: str, salt_digest: str) -> Fingerprint:
+        return self._of(lora, salt_digest)[0]
+
+    def name(self, lora: str, salt_digest: str) -> str:
+        return self._of(lora, salt_digest)[1]
+
+
 def rank_group(info: Mapping[str, object]) -> str | None:
     """The rank group of a namespace from what its ``namespace.json`` says: equal for the
     namespaces of all ranks of one engine (TP shards and pipeline stages: everything but
@@ -150,3 +175,11 @@ def salt_digest(cache_salt: str | None) -> str:
     # surrogatepass: a client's salt may hold a lone surrogate (valid JSON, not UTF-8).
     raw = cache_salt.encode("utf-8", "surrogatepass")
     return hashlib.sha256(b"kvdisk-salt\0" + raw).hexdigest()[:32]
+
+
+@dataclass(slots=True)
+class Scope:
+    """The private part of a namespace: LoRA adapter and cache salt (digest only)."""
+
+    lora: str = ""
+    salt_digest: str = ""

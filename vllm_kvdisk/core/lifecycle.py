@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -33,8 +33,7 @@ from vllm_kvdisk.core.control import RequestControl
 from vllm_kvdisk.core.index import Lookup
 from vllm_kvdisk.core.policy import Decision
 
-if TYPE_CHECKING:
-    from vllm_kvdisk.connector.jobs import Scope  # jobs imports vLLM's base classes
+from vllm_kvdisk.core.keys import Scope
 
 
 class Phase(Enum):

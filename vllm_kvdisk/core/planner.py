@@ -15,8 +15,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from vllm_kvdisk.core.format import FULL_ONLY, Encoded, Group, PageLayout, Payload, Reason, encode_checkpoint
-from vllm_kvdisk.core.index import Entry, IdsReader, Index, Lookup, Miss, head_digest
+from vllm_kvdisk.core.format import (FULL_ONLY, Encoded, Group, PageLayout, Payload, Reason,
+                                     encode_checkpoint)
+from vllm_kvdisk.core.entry import Entry, head_digest
+from vllm_kvdisk.core.index import IdsReader, Index, Lookup, Miss
 from vllm_kvdisk.core.keys import as_token_array, token_digest
 from vllm_kvdisk.core.tokens import TokenTable
 

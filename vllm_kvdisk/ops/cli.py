@@ -25,8 +25,8 @@ from typing import Any, Callable, Sequence
 from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage.fileread import read_meta, read_text, read_tool_map
 from vllm_kvdisk.core.format import DTYPE_NAMES, FLAG_DELTA, FLAG_TOOL_MAP, FormatError
-from vllm_kvdisk.core.index import Entry
-from vllm_kvdisk.storage.scan import KV_NAME
+from vllm_kvdisk.core.entry import Entry
+from vllm_kvdisk.storage.directory import KV_NAME
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.storage.verify import verify
 

@@ -22,7 +22,7 @@ from typing import Callable
 from vllm_kvdisk.storage.fileread import check_layers, read_meta, read_tokens, read_tool_map, text_sha1
 from vllm_kvdisk.core.format import FormatError
 from vllm_kvdisk.storage.fsdir import LockTimeout
-from vllm_kvdisk.core.index import Entry
+from vllm_kvdisk.core.entry import Entry
 from vllm_kvdisk.storage.store import Store
 
 

@@ -28,7 +28,7 @@ import numpy as np
 
 # The CPU build's `vllm` console script is broken (it asks for a distribution named
 # "vllm"); serve.py's workaround, then vLLM's own CLI.
-LAUNCH_VLLM = ("import sys; from vllm_kvdisk.ops.serve import _patch_cpu_build_version; "
+LAUNCH_VLLM = ("import sys; from vllm_kvdisk.serve import _patch_cpu_build_version; "
                "_patch_cpu_build_version(); from vllm.entrypoints.cli.main import main; "
                "sys.argv = ['vllm', 'serve', *sys.argv[1:]]; main()")
 
@@ -109,7 +109,7 @@ def generate(llm: Any, prompt: list[int], max_tokens: int = 16, salt: str | None
 
 # -- server processes --------------------------------------------------------------------
 def kvdisk_command(model: str, kv_dir: str, port: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "vllm_kvdisk.ops.serve", "serve", model, "--host", "127.0.0.1",
+    return [sys.executable, "-m", "vllm_kvdisk.serve", "serve", model, "--host", "127.0.0.1",
             "--port", str(port), "--kv-disk-dir", kv_dir, *args]
 
 

@@ -5,7 +5,7 @@ import os
 import threading
 
 import pytest
-from engine import ALIGN, Server, engine, events, generate, shared_prefix
+from engine import ALIGN, Server, disk_tokens, engine, events, generate, shared_prefix
 from helpers import text
 
 from vllm_kvdisk.core.keys import Grid
@@ -13,10 +13,6 @@ from vllm_kvdisk.core.keys import Grid
 pytestmark = pytest.mark.engine
 GRID = Grid(ALIGN, 32, 128)
 DS4_GRID = Grid(2048, 32, 128)
-
-
-def disk_tokens(server: Server) -> float:
-    return server.metric("vllm:prompt_tokens_cached_by_source_total", source="disk")
 
 
 def test_four_turn_chat_with_a_restart_hits_the_tail(tiny_model, tmp_path):

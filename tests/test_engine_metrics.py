@@ -7,9 +7,8 @@ import re
 import time
 
 import pytest
-from engine import Server, events
+from engine import Server, disk_tokens, events
 from helpers import text
-from test_server import disk_tokens
 
 pytestmark = pytest.mark.engine
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,0 +1,35 @@
+"""The error policy of the connector's hooks: the engine never dies of the cache.
+
+A guarded hook that raises is counted (``errors{hook}``), logged with its traceback, and
+answers its neutral value (no match, no load, an empty step message): the request is
+served as if the cache were absent.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, TypeVar
+
+from vllm_kvdisk.core.logs import get_logger
+
+log = get_logger(__name__)
+T = TypeVar("T")
+
+
+def guarded(hook: str, default: Callable[[], T]) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Run a connector hook; on any exception count it (``errors{hook}`` on the object's
+    ``stats``), log it, and return ``default()``."""
+
+    def wrap(method: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(method)
+        def run(self: Any, *args: Any, **kwargs: Any) -> T:
+            try:
+                return method(self, *args, **kwargs)
+            except Exception:  # noqa: BLE001
+                self.stats.count("errors", hook)
+                log.exception("kvdisk: %s failed; serving without the disk cache", hook)
+                return default()
+
+        return run
+
+    return wrap
