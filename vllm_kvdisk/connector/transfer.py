@@ -182,14 +182,16 @@ class PageMover:
         self.gather_layers([block_ids] * len(self._layers), out, after)
 
     def gather_layers(self, block_ids: Sequence[Sequence[int]], out: Sequence[np.ndarray],
-                      after: object | None = None) -> None:
+                      after: object | None = None, layers: Sequence[int] | None = None) -> None:
         """``gather`` with each layer's own block ids (the layers of a hybrid model's KV
-        cache groups have a block table each)."""
-        if len(block_ids) != len(self._layers) or len(out) != len(self._layers):
+        cache groups have a block table each); ``layers``: only these layers, in this
+        order (``block_ids`` and ``out`` then hold one item per layer named)."""
+        layers = range(len(self._layers)) if layers is None else layers
+        if len(block_ids) != len(layers) or len(out) != len(layers):
             raise ValueError("one block id list and one buffer per layer are needed")
         checked: dict[int, np.ndarray] = {}  # one check per group's list, not per layer
         if self._host is not None:
-            for src, ids, dst in zip(self._host, block_ids, out):
+            for src, ids, dst in zip((self._host[i] for i in layers), block_ids, out):
                 if id(ids) not in checked:
                     checked[id(ids)] = self._ids(ids)
                 # mode="clip": ids are checked, and "raise" buffers the output
@@ -203,7 +205,7 @@ class PageMover:
             cuda.after_compute(after)  # the forward that wrote these blocks comes first
         with cuda.on_side() if cuda is not None else nullcontext():
             index: dict[int, torch.Tensor] = {}
-            for t, ids, dst in zip(self._layers, block_ids, out):
+            for t, ids, dst in zip((self._layers[i] for i in layers), block_ids, out):
                 if id(ids) not in index:  # one upload per group's list, not per layer
                     index[id(ids)] = self._index(ids)
                 n = len(ids)

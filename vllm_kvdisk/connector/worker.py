@@ -68,6 +68,7 @@ class WorkerSide:
         self.groups = placement.groups
         self.hybrid = len(self.groups) > 1 or any(g.kind == GroupKind.WINDOW for g in self.groups)
         self._failed_recving: set[str] = set()
+        self._windows_copying = 0  # save copies whose window pages are not copied yet
         # Token counts are per engine: only its first worker counts them (bytes are per
         # rank, summed).
         self._counts_tokens = placement.tp_rank == 0 and placement.pp_rank == 0
@@ -238,8 +239,8 @@ class WorkerSide:
             # The scheduler of this step may have freed window blocks a copy of the last
             # step reads (the window moved on); they are zeroed or written from here on.
             with self._copy_ended:
-                self._copy_ended.wait_for(lambda: not self._copying)
-        elif meta.flush:
+                self._copy_ended.wait_for(lambda: not self._windows_copying)
+        if meta.flush:
             with self._copy_ended:
                 self._copy_ended.wait_for(lambda: not self._copying.keys() & set(meta.flush))
 
@@ -257,6 +258,7 @@ class WorkerSide:
                 self._staged += nbytes
                 self.staging_peak = max(self.staging_peak, self._staged)
                 self._copying[job.req_id] = self._copying.get(job.req_id, 0) + 1
+                self._windows_copying += bool(job.groups)
             parent = self._inflight.get(job.plan.parent) if job.plan.parent else None
             done: Future = Future()
             if not busy:
@@ -271,6 +273,8 @@ class WorkerSide:
             self._copier.submit(self._copy, job, nbytes, after, parent[0] if parent else None,
                                 done)
         except RuntimeError:  # shutting down
+            if job.groups:
+                self._windows_copied()
             self._copied(job.req_id)
             self._end_save(job, [], nbytes, done, False, "the worker is shutting down")
 
@@ -280,11 +284,22 @@ class WorkerSide:
         the engine thread), then the write goes to the write pool."""
         mover = self.mover
         pages: list[np.ndarray] = []
+        windows_pending = bool(job.groups)
         try:
             layer_ids = self._layer_ids(job)
             pages = [self.staging.get(len(ids) * mover.page_bytes) for ids in layer_ids]
             if job.groups:
-                mover.gather_layers(layer_ids, pages, after=after)
+                # Window pages first: vLLM may free those blocks in the next step (the
+                # engine waits for them in handle_preemptions); a running request keeps
+                # its full-attention blocks.
+                kinds = [g.kind for g in self.groups for _ in range(g.layers)]
+                for want_window in (True, False):
+                    part = [i for i, k in enumerate(kinds) if (k == GroupKind.WINDOW) == want_window]
+                    mover.gather_layers([layer_ids[i] for i in part], [pages[i] for i in part],
+                                        after=after, layers=part)
+                    if want_window:
+                        self._windows_copied()
+                        windows_pending = False
             else:
                 mover.gather(job.block_ids, pages, after=after)
         except Exception as exc:  # noqa: BLE001
@@ -292,6 +307,8 @@ class WorkerSide:
             self._end_save(job, pages, nbytes, done, False, str(exc))
             return
         finally:
+            if windows_pending:
+                self._windows_copied()
             self._copied(job.req_id)  # its blocks may be given back now
         try:
             self.pool.submit(self._save, job, pages, nbytes, parent, done)
@@ -315,6 +332,11 @@ class WorkerSide:
             else:
                 self._copying.pop(req_id, None)
             self._report.copied.append(req_id)
+            self._copy_ended.notify_all()
+
+    def _windows_copied(self) -> None:
+        with self._copy_ended:
+            self._windows_copying -= 1
             self._copy_ended.notify_all()
 
     def _confirm_copy(self, req_id: str) -> None:
