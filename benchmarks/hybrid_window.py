@@ -1,7 +1,7 @@
 """Sliding-window model: what the disk cache serves, and what it costs on disk.
 
 A tiny Gemma 3 (fp32, window 256, 2 window groups + 1 full-attention group, built offline)
-runs one agent-style conversation (each turn: the previous prompt, the reply, a new user
+runs one multi-turn conversation (each turn: the previous prompt, the reply, a new user
 message) three ways, side by side in one run:
 
 * warm: vLLM's own prefix cache, no kvdisk: what a warm engine keeps;
