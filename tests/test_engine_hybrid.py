@@ -150,3 +150,30 @@ def test_a_corrupt_window_page_recomputes_the_request(gemma3_model, tmp_path):
     assert out == reference == again and cached == 1408
     assert [n for n in os.listdir(os.path.join(kv, "quarantine")) if n.endswith(".kv")]
     assert events(trace, "quarantined")
+
+
+def test_chunked_prefill_saves_windows_before_vllm_frees_them(gemma3_model, tmp_path):
+    """Prefill in 512-token chunks, a continued checkpoint at each chunk's end (384 after
+    the first, 896 after the second): vLLM frees the first blocks of a window in the very
+    next step, so their pages are copied (window pages first) before that step writes
+    anything; every checkpoint restores exactly."""
+    kv = str(tmp_path / "kv")
+    prompt = random_prompt(1500, seed=7)
+    chunked = {"max_num_batched_tokens": 512, "enable_chunked_prefill": True}
+    with engine(gemma3_model, None, prefix_caching=False, llm_args=chunked) as llm:
+        reference = generate(llm, prompt, max_tokens=24)[0]
+        shorter = [generate(llm, prompt[:n], max_tokens=8)[0] for n in (700, 1000)]
+    every = {"kv_cache_continued_interval_tokens": 256}
+    with engine(gemma3_model, kv, llm_args=chunked, **every) as llm:
+        assert generate(llm, prompt, max_tokens=24)[0] == reference
+    assert sorted(files(kv)) == [384, 896, 1408]
+    with engine(gemma3_model, kv, llm_args=chunked, **every) as llm:
+        results = []
+        # 700 leaves the 896 file at 640, where its window is not stored: back to 384
+        for n in (700, 1000):
+            reset(llm)
+            results.append(generate(llm, prompt[:n], max_tokens=8))
+        reset(llm)
+        out, cached = generate(llm, prompt, max_tokens=24)
+    assert [r[0] for r in results] == shorter and out == reference
+    assert [r[1] for r in results] == [384, 896] and cached == 1408
