@@ -29,6 +29,23 @@ def other_model(tmp_path_factory):
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "other", seed=1))
 
 
+@pytest.fixture(scope="session")
+def gemma3_model(tmp_path_factory):
+    """Tiny Gemma 3: sliding-window (256) and full-attention layers, fp32."""
+    from vllm_kvdisk.testing.tinymodel import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "gemma3", arch="gemma3"))
+
+
+@pytest.fixture(scope="session")
+def qwen3next_model(tmp_path_factory):
+    """Tiny Qwen3-Next: Gated-DeltaNet and full-attention layers, bf16."""
+    from vllm_kvdisk.testing.tinymodel import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "qwen3next",
+                                arch="qwen3next"))
+
+
 def pytest_collection_modifyitems(config, items):
     """Engine tests are recognisable by their file's name: every test marked ``engine``
     lives in a ``test_engine_*.py`` file, and those files hold engine tests only."""

@@ -124,3 +124,30 @@ def test_console_script_runs_without_vllm(cache):
     out = subprocess.run([sys.executable, "-m", "vllm_kvdisk.ops.cli", "stats", store.root],
                          capture_output=True, text=True)
     assert out.returncode == 0 and "2 checkpoint(s)" in out.stdout
+
+
+def test_inspect_shows_the_kv_cache_groups_of_a_hybrid_file(tmp_path, capsys):
+    from synth import LAYOUT, planner
+
+    from vllm_kvdisk.core.format import Group, GroupKind, Reason
+    from vllm_kvdisk.core.planner import encode_plan
+
+    store = Store(str(tmp_path / "kv"), space_bytes=1 << 30)
+    ns = store.ensure_namespace(FP)
+    prompt = prompt_of(list(range(200)))
+    plan = planner(store).plan_save(ns, prompt, 160, Reason.COLD)
+    groups = (Group(GroupKind.WINDOW, 1, window=40), Group(GroupKind.FULL, 1))
+    page = LAYOUT.page_bytes
+    # 160 tokens of 16: the full layer holds 10 blocks, the window layer 40 - 1 tokens
+    # back from 160 (blocks 7..9)
+    enc = encode_plan(plan, text=prompt.text_upto(160), ids=prompt.ids,
+                      layers=[bytes(3 * page), bytes(10 * page)], layout=LAYOUT,
+                      fingerprint=FP.digest(), kv_dtype="float32", context_size=8192,
+                      now=1_000_000, groups=groups)
+    store.write(ns, plan.sha1, enc)
+    code, out, _ = run(capsys, "inspect", store.path(ns, plan.sha1), "--json")
+    assert code == 0 and json.loads(out)["groups"] == [
+        {"kind": "window", "layers": 1, "window": 40, "first_block": 7, "blocks": 3},
+        {"kind": "full", "layers": 1, "window": 0, "first_block": 0, "blocks": 10}]
+    code, out, _ = run(capsys, "inspect", store.path(ns, plan.sha1))
+    assert "window 40: 1 layer(s) x blocks 7..10; full: 1 layer(s) x blocks 0..10" in out

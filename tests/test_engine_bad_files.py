@@ -6,6 +6,7 @@ import pytest
 from engine import engine, events, generate, random_prompt
 from helpers import kv_files
 
+from vllm_kvdisk.core.format import FORMAT_VERSION
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.storage.verify import verify
 
@@ -48,7 +49,7 @@ def test_garbage_files_at_startup_are_quarantined_and_the_server_serves(tiny_mod
     with open(os.path.join(ns_dir, "0" * 40 + ".kv"), "wb") as fh:
         fh.write(os.urandom(5000))  # hostile: random bytes under a valid name
     with open(os.path.join(ns_dir, "f" * 40 + ".kv"), "wb") as fh:
-        fh.write(b"KVC\x01" + b"\xff" * 100)  # header that claims absurd sizes
+        fh.write(b"KVC" + bytes([FORMAT_VERSION]) + b"\xff" * 100)  # claims absurd sizes
     with engine(tiny_model, kv) as llm:
         tokens, cached = generate(llm, prompt)
     assert tokens == reference and cached == 896

@@ -15,6 +15,8 @@ from vllm_kvdisk.core.format import (
     FLAG_TOOL_MAP,
     PAGE_ALIGN,
     FormatError,
+    Group,
+    GroupKind,
     PageLayout,
     Payload,
     Reason,
@@ -28,14 +30,21 @@ GOLDEN = Path(__file__).parent / "golden"
 LAYOUT = PageLayout("cpu:LBHNC", 4, 2, (1, 4, 2), "float32")
 
 
-def golden_checkpoint(delta: bool) -> bytes:
+# A hybrid file: layer 0 full attention (the owned block), layer 1 a sliding window of 6
+# tokens (a hit at 8 needs tokens 3..7: blocks 0 and 1, whatever the parent).
+HYBRID = (Group(GroupKind.FULL, 1), Group(GroupKind.WINDOW, 1, window=6))
+
+
+def golden_checkpoint(delta: bool, hybrid: bool = False) -> bytes:
     """A tiny, fully deterministic checkpoint; its bytes are pinned in tests/golden/."""
     tokens = np.arange(8 if delta else 4, dtype="<u4")
     first = 1 if delta else 0
     nb = 1
-    layers = [np.full((nb, 1, 4, 2), i + 0.5, dtype="<f4").tobytes() for i in range(2)]
+    per_layer = [nb, 2 if hybrid else nb]
+    layers = [np.full((per_layer[i], 1, 4, 2), i + 0.5, dtype="<f4").tobytes() for i in range(2)]
     payload = Payload(bytes(range(32)), ("ab" * 20) if delta else None, 4 if delta else 0,
-                      first, nb, LAYOUT, 0x0123456789ABCDEF)
+                      first, nb, LAYOUT, 0x0123456789ABCDEF,
+                      **({"groups": HYBRID} if hybrid else {}))
     enc = encode_checkpoint(text="héllo wörld"[: 8 if delta else 4].encode(), tokens=tokens.tobytes(),
                             layers=layers, payload=payload,
                             reason=Reason.CONTINUED if delta else Reason.COLD, kv_dtype="float32",
@@ -44,14 +53,71 @@ def golden_checkpoint(delta: bool) -> bytes:
     return b"".join(bytes(b) for b in enc.buffers)
 
 
-@pytest.mark.parametrize("name,delta", [("v1_root.kv", False), ("v1_delta_ktm.kv", True)])
-def test_golden_files_pin_the_layout(name, delta):
-    assert golden_checkpoint(delta) == (GOLDEN / name).read_bytes()
+@pytest.mark.parametrize("name,delta,hybrid", [("v2_root.kv", False, False),
+                                              ("v2_delta_ktm.kv", True, False),
+                                              ("v2_hybrid_delta_ktm.kv", True, True)])
+def test_golden_files_pin_the_layout(name, delta, hybrid):
+    assert golden_checkpoint(delta, hybrid) == (GOLDEN / name).read_bytes()
+
+
+@pytest.mark.parametrize("name", ["v1_root.kv", "v1_delta_ktm.kv"])
+def test_previous_version_files_are_unsupported_not_corrupt(tmp_path, name):
+    """Version 1 files are left alone (a miss), never quarantined as corrupt."""
+    raw = (GOLDEN / name).read_bytes()
+    with pytest.raises(UnsupportedFile, match="format version 1"):
+        read_meta(write(tmp_path, raw), len(raw))
+
+
+def test_golden_group_table_by_offset(tmp_path):
+    raw = (GOLDEN / "v2_hybrid_delta_ktm.kv").read_bytes()
+    (text_len,) = struct.unpack_from("<I", raw, 48)
+    payload = 52 + text_len
+    assert struct.unpack_from("<H", raw, payload + 94)[0] == 2  # group count
+    # kind, zero, layers, window, first block, block count
+    assert struct.unpack_from("<BBHIII", raw, payload + 160) == (1, 0, 1, 0, 1, 1)
+    assert struct.unpack_from("<BBHIII", raw, payload + 176) == (2, 0, 1, 6, 0, 2)
+    meta = read_meta(write(tmp_path, raw), len(raw))
+    assert meta.payload.groups == (Group(GroupKind.FULL, 1, 0, 1, 1),
+                                   Group(GroupKind.WINDOW, 1, 6, 0, 2))
+    page = LAYOUT.page_bytes
+    assert [meta.offsets.layer_size(i) for i in range(2)] == [page, 2 * page]
+    window = bytearray(2 * page)
+    read_layer_into(write(tmp_path, raw), meta, 1, memoryview(window))
+    assert bytes(window) == np.full((2, 1, 4, 2), 1.5, dtype="<f4").tobytes()
+
+
+def test_group_ranges_are_checked(tmp_path):
+    """A group table whose block range is not what its kind holds for the file, or whose
+    layer counts do not add up, is corrupt."""
+    raw = bytearray(golden_checkpoint(True, hybrid=True))
+    (text_len,) = struct.unpack_from("<I", raw, 48)
+    at = 52 + text_len + 176
+    for field, value in ((4, 3), (8, 1), (12, 1), (2, 2), (0, 3)):
+        bad = bytearray(raw)
+        if field == 2:
+            struct.pack_into("<H", bad, at + 2, value)
+        elif field == 0:
+            bad[at] = value
+        else:
+            struct.pack_into("<I", bad, at + field, value)
+        with pytest.raises(FormatError) as err:
+            read_meta(write(tmp_path, bytes(bad)), len(bad))
+        assert not isinstance(err.value, UnsupportedFile)
+
+
+def test_encoder_refuses_layers_of_the_wrong_group_size():
+    with pytest.raises(FormatError, match="layer 1 buffer"):
+        layers = [bytes(LAYOUT.page_bytes)] * 2  # the window layer needs two pages
+        encode_checkpoint(text=b"abcdefgh", tokens=np.arange(8, dtype="<u4").tobytes(),
+                          layers=layers,
+                          payload=Payload(bytes(32), "ab" * 20, 4, 1, 1, LAYOUT, 0,
+                                          groups=HYBRID),
+                          reason=Reason.COLD, kv_dtype="float32", context_size=8, now=0)
 
 
 def test_golden_header_fields_by_offset():
-    raw = (GOLDEN / "v1_delta_ktm.kv").read_bytes()
-    assert raw[0:3] == b"KVC" and raw[3] == 1  # magic, version
+    raw = (GOLDEN / "v2_delta_ktm.kv").read_bytes()
+    assert raw[0:3] == b"KVC" and raw[3] == 2  # magic, version
     assert raw[4] == 1  # KV dtype code: float32
     assert raw[5] == 2  # save reason: continued
     assert struct.unpack_from("<H", raw, 6)[0] == FLAG_TOOL_MAP | FLAG_DELTA
@@ -156,7 +222,7 @@ def test_tool_map_round_trip_and_limits():
 
 def test_encoder_rejects_wrong_layer_sizes():
     payload = Payload(bytes(32), None, 0, 0, 1, LAYOUT, 0)
-    with pytest.raises(FormatError, match="layer buffer"):
+    with pytest.raises(FormatError, match="layer 0 buffer"):
         encode_checkpoint(text=b"abcd", tokens=bytes(16), layers=[b"x" * 8, b"x" * 32],
                           payload=payload, reason=Reason.COLD, kv_dtype="float32",
                           context_size=1, now=0)

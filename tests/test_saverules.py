@@ -66,3 +66,14 @@ def test_positions_are_ascending_and_distinct():
         assert (n // 16) * 16 in got  # the tail, untrimmed
         assert rules(tails=False, block=16).on_step(n, 0, n) == [
             (p, c) for p, c in r.on_step(n, 0, n) if p == r.grid.floor(n)]
+
+
+def test_window_models_put_the_cold_tail_where_a_resent_prompt_hits():
+    """A prompt of whole blocks, resent as it is, hits at one block below its end (vLLM
+    computes the last token): a window model's file must end there, since its window
+    groups hold only the window before the file's end."""
+    window = rules(cold_before_last_token=True)
+    assert rules().on_step(2560, 0, 2560) == [(1920, COLD), (2560, COLD)]
+    assert window.on_step(2560, 0, 2560) == [(1920, COLD), (2432, COLD)]
+    assert window.on_step(2600, 0, 2600) == rules().on_step(2600, 0, 2600)  # not whole blocks
+    assert window.on_finished(2591) == rules().on_finished(2591)  # a finished one: unchanged

@@ -112,7 +112,7 @@ def test_scans_quarantine_only_what_is_proven_corrupt_in_our_version(tmp_path, m
     a, _ = save(store, ns, prompt(50), 48, rng)
     b, _ = save(store, ns, prompt(51), 48, rng)
     raw = bytearray(open(store.path(ns, a.sha1), "rb").read())
-    raw[3] = 2  # format version 2: a newer build's file
+    raw[3] = 3  # format version 3: a newer build's file
     open(store.path(ns, a.sha1), "wb").write(raw)
     real_open = os.open
     failing = {"left": 1}

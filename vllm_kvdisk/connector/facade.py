@@ -14,6 +14,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -25,7 +27,11 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-class KVDiskConnector(KVConnectorBase_V1):
+class KVDiskConnector(KVConnectorBase_V1, SupportsHMA):
+    """SupportsHMA: vLLM keeps its hybrid KV cache manager on (one block table per KV
+    cache group); every hook takes and returns block ids per group. What kvdisk cannot
+    serve exactly (state groups, ...) is refused when the halves are built."""
+
     _cache_hit_source = CacheHitSource.DISK
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -87,6 +93,12 @@ class KVDiskConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.get_finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self._worker.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()),
+                                          failed_recving=self._worker.take_failed_recving())
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
 
@@ -97,6 +109,9 @@ class KVDiskConnector(KVConnectorBase_V1):
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         self._sched.kv_cache_manager = kv_cache_manager
+        null = getattr(getattr(kv_cache_manager, "block_pool", None), "null_block", None)
+        if null is not None:
+            self._sched.null_block = null.block_id
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -112,6 +127,10 @@ class KVDiskConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         return self._sched.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        return self._sched.request_finished_all_groups(request, block_ids)
 
     def has_pending_push_work(self) -> bool:
         return self._sched.has_pending_push_work()

@@ -29,6 +29,10 @@ class LoadFile:
     upto: int  # restore its blocks up to here (its end, or where the prompt leaves it)
     tokens: int  # the file's own end (checked against its header)
     inode: int = 0  # the file the index saw, in the job's ``indexed_ns`` (0: unknown)
+    # Several KV cache groups: per group, the request blocks [a, c) read from this file
+    # (a window group's come from the deepest file holding them). Empty: one group,
+    # blocks [max(start, the job's start), upto).
+    ranges: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -40,6 +44,10 @@ class LoadJob:
     block_ids: list[int]  # engine block ids for request blocks [start_block, ...)
     token_ids: bytes = b""  # u32 LE ids of the prompt up to the hit: every file must hold them
     fail: str | None = None  # set when the scheduler could not plan it: report every block bad
+    # Several KV cache groups: per group, the engine block ids of request blocks
+    # [start_block, ...) (a window group's skipped blocks are vLLM's null block, never
+    # written). Empty: one group, ``block_ids``.
+    groups: list[list[int]] = field(default_factory=list)
     # The namespace whose index gave the files' inodes: the scheduler's, TP rank 0's. Every
     # rank runs the job on its own namespace, where a file of the same checkpoint is another
     # file with another inode, so only a file in this namespace is held to them.
@@ -56,6 +64,9 @@ class SaveJob:
     token_ids: bytes  # u32 LE ids of the whole prefix
     context_size: int
     tool_map: list[tuple[str, str]] = field(default_factory=list)
+    # Several KV cache groups: per group, the engine block ids of the blocks the file
+    # stores for it (``Group.placed``). Empty: one group, ``block_ids``.
+    groups: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

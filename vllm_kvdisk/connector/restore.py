@@ -39,7 +39,7 @@ from vllm_kvdisk.storage.fileread import (
     read_token_range,
     read_tokens,
 )
-from vllm_kvdisk.core.format import FormatError
+from vllm_kvdisk.core.format import FULL_ONLY, FormatError, Group
 from vllm_kvdisk.connector.jobs import LoadFile, LoadJob
 from vllm_kvdisk.connector.staging import StagingPool
 from vllm_kvdisk.storage.store import Store
@@ -88,13 +88,16 @@ class _Open:
     file: LoadFile
     fd: int
     meta: Meta
-    first_used: int  # request block index of the first block restored from this file
-    targets: list[int]  # engine block ids for blocks [first_used, upto)
+    blocks: int  # request blocks this file advances the restore by
+    # Per layer in file order: (pages before the used ones, pages after them, the engine
+    # block ids the used ones go to). One KV cache group: the same for every layer.
+    layers: list[tuple[int, int, list[int]]]
 
 
 class Restorer:
     def __init__(self, store: Store, mover: PageMover, staging: StagingPool, readers: Executor,
-                 block_size: int):
+                 block_size: int, groups: tuple[Group, ...] = FULL_ONLY):
+        self.groups = groups  # the engine's KV cache groups (kind, layers, window)
         self.store = store
         self.mover = mover
         self.staging = staging
@@ -140,8 +143,8 @@ class Restorer:
             else:
                 opened_ok = opened
             for o in opened_ok:
-                out.blocks += len(o.targets)
-                out.bytes_read += o.meta.offsets.layer_bytes * o.meta.payload.layout.num_layers
+                out.blocks += o.blocks
+                out.bytes_read += o.meta.offsets.ktm - o.meta.offsets.pages
                 out.used.append(o.file.sha1)
             if isinstance(out.error, FormatError) and on_corrupt is not None:
                 failed = next((o for o in opened if o.file is out.failed), None)
@@ -188,15 +191,45 @@ class Restorer:
                 raise StaleFile("its token ids are not the prompt's")
             bs = self.block_size
             first_used = max(file.start // bs, job.start_block)
-            targets = job.block_ids[first_used - job.start_block: file.upto // bs - job.start_block]
-            if len(targets) != file.upto // bs - first_used:
-                raise ValueError("load job has fewer target blocks than the file")
-            return _Open(file, fd, meta, first_used, targets)
+            if not file.ranges:
+                targets = job.block_ids[first_used - job.start_block:
+                                        file.upto // bs - job.start_block]
+                if len(targets) != file.upto // bs - first_used:
+                    raise ValueError("load job has fewer target blocks than the file")
+                layer = (first_used - p.first_block, p.first_block + p.num_blocks - file.upto // bs,
+                         targets)
+                layers = [layer] * p.layout.num_layers
+            else:
+                layers = self._group_layers(file, job, p.groups)
+            return _Open(file, fd, meta, file.upto // bs - first_used, layers)
         except Exception as exc:  # noqa: BLE001
             if isinstance(exc, FormatError):  # kept open until it is quarantined
                 raise OpenFailed(exc, inode, fd) from exc
             os.close(fd)
             raise OpenFailed(exc, inode) from exc
+
+    def _group_layers(self, file: LoadFile, job: LoadJob,
+                      groups: tuple[Group, ...]) -> list[tuple[int, int, list[int]]]:
+        """Per layer of a hybrid model's file: the pages before and after the ones used
+        and the engine blocks they go to (each group its own range and block table)."""
+        mine = [(g.kind, g.layers, g.window) for g in self.groups]
+        if [(g.kind, g.layers, g.window) for g in groups] != mine:
+            raise StaleFile(f"KV cache groups {groups} are not the engine's")
+        if len(file.ranges) != len(groups) or len(job.groups) != len(groups):
+            raise ValueError("load job does not name a block range per KV cache group")
+        per_group = []
+        for g, (a, c), ids in zip(groups, file.ranges, job.groups):
+            if c <= a:  # nothing of this group from this file: checksummed only
+                per_group.append((g.num_blocks, 0, []))
+                continue
+            if a < g.first_block or c > g.first_block + g.num_blocks or a < job.start_block:
+                raise ValueError(f"blocks {a}..{c} are not in the file's group "
+                                 f"({g.first_block}+{g.num_blocks})")
+            targets = ids[a - job.start_block:c - job.start_block]
+            if len(targets) != c - a:
+                raise ValueError("load job has fewer target blocks than the file")
+            per_group.append((a - g.first_block, g.first_block + g.num_blocks - c, targets))
+        return [per_group[i] for i, g in enumerate(groups) for _ in range(g.layers)]
 
     # -- reads --------------------------------------------------------------------------
     def _read_all(self, opened: list[_Open]) -> list[Exception | None]:
@@ -213,11 +246,12 @@ class Restorer:
         cold: list[tuple[int, Callable[[], None]]] = []
         futures = []
         cached = [pages_cached(o.fd, o.meta) for o in opened]
-        warm_bytes = sum(o.meta.offsets.layer_bytes for o, c in zip(opened, cached) if c)
+        warm_bytes = sum(o.meta.offsets.ktm - o.meta.offsets.pages
+                         for o, c in zip(opened, cached) if c)
         threads = getattr(self.readers, "_max_workers", 1)
         for i, o in enumerate(opened):
             if cached[i]:  # in the page cache: every reader thread at once
-                share = o.meta.offsets.layer_bytes / max(1, warm_bytes)
+                share = (o.meta.offsets.ktm - o.meta.offsets.pages) / max(1, warm_bytes)
                 tasks = self._direct_tasks(o, groups=max(1, round(threads * share)))
                 futures += [(i, self.readers.submit(task)) for task in tasks]
             else:
@@ -241,64 +275,66 @@ class Restorer:
         """Read tasks for one file straight into the host-resident blocks: ``groups``
         tasks of consecutive layers, one preadv each, when every page is used."""
         mover, meta = self.mover, o.meta
-        p = meta.payload
-        front = o.first_used - p.first_block  # pages before the used ones
-        back = p.first_block + p.num_blocks - o.file.upto // self.block_size  # after them
-        runs = mover.block_runs(o.targets)
-        n_layers = p.layout.num_layers
-        layers = range(n_layers)
-        if not front and not back:  # every page used
+        n_layers = meta.payload.layout.num_layers
+        runs: dict[int, list[tuple[int, int]]] = {}  # per target list (one per group)
+        for _, _, targets in o.layers:
+            if id(targets) not in runs:
+                runs[id(targets)] = mover.block_runs(targets)
+        if all(not front and not back for front, back, _ in o.layers):  # every page used
             groups = min(max(1, groups), n_layers)
             cuts = [n_layers * g // groups for g in range(groups + 1)]
 
             def read(first: int, stop: int) -> None:
                 read_layers_into(o.fd, meta, first,
-                                 [mover.host_views(layer, runs) for layer in range(first, stop)])
+                                 [mover.host_views(layer, runs[id(o.layers[layer][2])])
+                                  for layer in range(first, stop)])
 
             return [lambda a=a, b=b: read(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
-        parts_bytes = (front * mover.page_bytes, back * mover.page_bytes)
+        pb = mover.page_bytes
 
         def one(layer: int) -> None:
-            scratch = self.staging.get(min(sum(parts_bytes), SCRATCH_BYTES))
+            front, back, targets = o.layers[layer]
+            scratch = self.staging.get(max(pb, min((front + back) * pb, SCRATCH_BYTES)))
             try:
                 read_layer_parts(o.fd, meta, layer, [
-                    (parts_bytes[0], None),
-                    (len(o.targets) * mover.page_bytes, mover.host_views(layer, runs)),
-                    (parts_bytes[1], None)], memoryview(scratch))
+                    (front * pb, None),
+                    (len(targets) * pb, mover.host_views(layer, runs[id(targets)])),
+                    (back * pb, None)], memoryview(scratch))
             finally:
                 self.staging.put(scratch)
 
-        return [lambda layer=layer: one(layer) for layer in layers]
+        return [lambda layer=layer: one(layer) for layer in range(n_layers)]
 
     def _read_staged(self, o: _Open) -> None:
         """Device cache: read the used pages into host staging (the others only through a
         bounded scratch, for the checksum), then copy them into the blocks. Two sets of
         buffers, so layer i+1 is read (and checksummed) while layer i is copied."""
         mover, meta = self.mover, o.meta
-        p = meta.payload
         pb = mover.page_bytes
-        front = o.first_used - p.first_block
-        used = len(o.targets)
-        parts_bytes = (front * pb, (p.num_blocks - front - used) * pb)
-        scratch_bytes = min(sum(parts_bytes), SCRATCH_BYTES)
-        flats = [self.staging.get(used * pb) for _ in range(2)]
+        n_layers = meta.payload.layout.num_layers
+        biggest = max(pb, max(len(t) for _, _, t in o.layers) * pb)
+        scratch_bytes = max(pb, min(max((f + b) * pb for f, b, _ in o.layers), SCRATCH_BYTES))
+        flats = [self.staging.get(biggest) for _ in range(2)]
         scratches = [self.staging.get(scratch_bytes) for _ in range(2)]
 
         def read(layer: int) -> Future:
-            k = layer % 2
-            parts = [(parts_bytes[0], None), (used * pb, [memoryview(flats[k])]),
-                     (parts_bytes[1], None)]
+            front, back, targets = o.layers[layer]
+            k, used = layer % 2, len(targets) * pb
+            parts = [(front * pb, None), (used, [memoryview(flats[k])[:used]]), (back * pb, None)]
             return self.readers.submit(read_layer_parts, o.fd, meta, layer, parts,
                                        memoryview(scratches[k]))
         pending = None
         try:
             pending = read(0)
-            for layer in range(p.layout.num_layers):
+            for layer in range(n_layers):
                 pending.result()
-                if layer + 1 < p.layout.num_layers:
+                if layer + 1 < n_layers:
                     pending = read(layer + 1)
-                mover.scatter(layer, o.targets, flats[layer % 2].reshape(used, pb))
+                targets = o.layers[layer][2]
+                if targets:
+                    used = len(targets) * pb
+                    mover.scatter(layer, targets, flats[layer % 2][:used].reshape(len(targets), pb))
         finally:
             if pending is not None:
                 wait([pending])  # never recycle a buffer a read is still filling

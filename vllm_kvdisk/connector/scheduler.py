@@ -29,7 +29,7 @@ from vllm_kvdisk.core.config import KVDiskConfig
 from vllm_kvdisk.core.control import RequestControl, tool_entries
 from vllm_kvdisk.ops.diagnose import Diagnostics, LookupReport
 from vllm_kvdisk.connector.events import DiskEvents
-from vllm_kvdisk.core.format import Reason
+from vllm_kvdisk.core.format import FULL_ONLY, Group, GroupKind, Reason, window_blocks
 from vllm_kvdisk.core.index import Lookup, Miss
 from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta, WorkerReport
 from vllm_kvdisk.core.keys import Fingerprint, Grid, Namespaces, as_token_array, salt_digest
@@ -38,7 +38,7 @@ from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.connector.guard import guarded
 from vllm_kvdisk.ops.metrics import KVDiskStats, snapshot
 from vllm_kvdisk.ops.recorder import StatsRecorder
-from vllm_kvdisk.core.planner import Planner, Prompt
+from vllm_kvdisk.core.planner import Planner, Prompt, trim_to_windows, window_sources
 from vllm_kvdisk.core.policy import LoadCostModel
 from vllm_kvdisk.core.saverules import SaveRules
 from vllm_kvdisk.storage.store import Store
@@ -53,8 +53,12 @@ REFRESH_INTERVAL_S = 2.0
 class SchedulerSide:
     def __init__(self, config: KVDiskConfig, fingerprint: Fingerprint, table: TokenTable,
                  block_size: int, context_size: int, *, events: bool = False,
-                 workers: int = 1):
+                 workers: int = 1, groups: tuple[Group, ...] = FULL_ONLY):
         self.config = config
+        # KV cache groups (a hybrid model has several): a block id list each, in this order.
+        self.groups = groups
+        self.windows = [g.window for g in groups if g.kind == GroupKind.WINDOW]
+        self.null_block = 0  # vLLM's null block (skipped window blocks): from the manager
         self.workers = workers  # every worker confirms each save job's copy once
         self.base_fp = fingerprint
         self.table = table
@@ -64,7 +68,8 @@ class SchedulerSide:
                     block_size)
         self.rules = SaveRules(grid, config.kv_cache_min_tokens, config.kv_cache_cold_max_tokens,
                                config.kv_cache_continued_interval_tokens,
-                               config.kv_cache_tail_checkpoints)
+                               config.kv_cache_tail_checkpoints,
+                               cold_before_last_token=bool(self.windows))
         self.stats = StatsRecorder()
         self.store = Store.from_config(config)
         started = time.monotonic()
@@ -157,8 +162,14 @@ class SchedulerSide:
             ids = as_token_array(request.prompt_token_ids[:usable])
             st.memo, st.memo_key, st.memo_ids = self.planner.lookup(st.ns, ids, usable), memo_key, ids
             st.declined = None
+            if self.windows:  # a hit needs the window before it in every window group
+                st.memo = trim_to_windows(st.memo, num_computed_tokens, self.windows,
+                                          self.block_size)
             if self.config.kv_disk_load_policy == "auto" and st.memo.tokens > num_computed_tokens:
                 self._apply_policy(st, num_computed_tokens)
+                if self.windows:  # a cut may end inside a file used partly
+                    st.memo = trim_to_windows(st.memo, num_computed_tokens, self.windows,
+                                              self.block_size)
         hit = st.memo.tokens if st.memo else 0
         if hit <= num_computed_tokens:
             return 0, False
@@ -196,24 +207,76 @@ class SchedulerSide:
         bs = self.block_size
         start, end = local // bs, hit // bs
         try:
-            block_ids = list(blocks.get_block_ids()[0][start:end])
+            all_ids = blocks.get_block_ids()
+            block_ids = list(all_ids[0][start:end])
+            segments = [s for s in lookup.segments if s.upto > local]
             files = [LoadFile(s.entry.sha1, s.entry.parent_tokens, s.upto, s.entry.tokens,
-                              s.entry.inode) for s in lookup.segments if s.upto > local]
+                              s.entry.inode) for s in segments]
             job = LoadJob(request.request_id, st.scope, files, start, block_ids,
                           ids[:hit].astype("<u4").tobytes(), indexed_ns=st.ns)
+            if len(self.groups) > 1 or self.windows:
+                self._place_groups(job, segments, all_ids, local, hit)
         except Exception as exc:  # noqa: BLE001 - the request must still get its answer
             self.stats.count("errors", "update_state_after_alloc")
             log.exception("kvdisk: planning the load of %s failed", request.request_id)
+            all_ids = blocks.get_block_ids()
             job = LoadJob(request.request_id, st.scope, [], start,
-                          list(blocks.get_block_ids()[0][start:end]), fail=str(exc))
+                          list(all_ids[0][start:end]), fail=str(exc),
+                          groups=[list(g[start:end]) for g in all_ids] if len(all_ids) > 1 else [])
         self._loads.append(job)
         self.stats.add("tokens_looked_up", request.num_prompt_tokens)
         self.report.hit(st.ns, lookup, ids, local, num_external_tokens, len(job.files))
 
+    def _place_groups(self, job: LoadJob, segments: list, all_ids: Any, local: int,
+                      hit: int) -> None:
+        """Per KV cache group, the engine blocks to fill and which file fills which: a full
+        group's from every file it owns, a window group's only the window before the hit
+        (vLLM's null block below it), each block from the deepest file holding it."""
+        bs, start, end = self.block_size, job.start_block, hit // self.block_size
+        if len(all_ids) != len(self.groups):
+            raise ValueError(f"{len(all_ids)} block tables for {len(self.groups)} KV cache groups")
+        job.groups = [list(ids[start:end]) for ids in all_ids]
+        files = [(s.entry.tokens, s.upto) for s in segments]
+        per_group = []
+        for group, ids in zip(self.groups, job.groups):
+            if group.kind == GroupKind.WINDOW:
+                sources = window_sources(files, hit, local, group.window, bs)
+                if sources is None:
+                    raise ValueError("a sliding window the hit needs is not stored")
+            else:
+                sources = [(max(s.entry.parent_tokens // bs, start), s.upto // bs)
+                           for s in segments]
+            for a, c in sources:
+                if self.null_block in ids[a - start:c - start]:
+                    raise ValueError("a block to restore is vLLM's null block")
+            per_group.append(sources)
+        for i, file in enumerate(job.files):
+            file.ranges = tuple(sources[i] for sources in per_group)
+        if end - start != len(job.block_ids):
+            raise ValueError("fewer blocks allocated than the hit covers")
+
     # -- saves ------------------------------------------------------------------------
+    def _stored_blocks(self, group_ids: list[list[int]], parent_tokens: int,
+                       length: int) -> list[list[int]] | None:
+        """Per group, the engine blocks a file ``[parent_tokens, length)`` stores, or None
+        when vLLM has already freed part of a window (its save cannot be made)."""
+        bs, out = self.block_size, []
+        for group, ids in zip(self.groups, group_ids):
+            if group.kind == GroupKind.WINDOW:
+                first, count = window_blocks(length, group.window, bs)
+            else:
+                first, count = parent_tokens // bs, (length - parent_tokens) // bs
+            part = list(ids[first:first + count])
+            if len(part) != count or self.null_block in part:
+                return None
+            out.append(part)
+        return out
+
     def _plan_saves(self, st: RequestState, due: list[tuple[int, Reason]],
-                    block_ids: list[int]) -> bool:
-        """Plan the due saves of one request; True if any was planned."""
+                    group_ids: list[list[int]]) -> bool:
+        """Plan the due saves of one request (``group_ids``: its block ids, one list per
+        KV cache group); True if any was planned."""
+        block_ids = group_ids[0] if group_ids else []
         request = st.request
         cap = st.control.max_save_tokens
         if cap is not None:  # positions past the cap become one checkpoint at the cap
@@ -239,6 +302,12 @@ class SchedulerSide:
             owned = block_ids[plan.parent_tokens // bs: length // bs]
             if len(owned) != (length - plan.parent_tokens) // bs:
                 continue
+            stored: list[list[int]] = []
+            if len(self.groups) > 1 or self.windows:
+                stored = self._stored_blocks(group_ids, plan.parent_tokens, length) or []
+                if not stored:  # the window before this position is gone already
+                    continue
+                owned = stored[0]
             if not self.planner.reserve(plan, prompt, int(time.time())):
                 continue
             try:
@@ -248,7 +317,7 @@ class SchedulerSide:
                 self._saves.append(SaveJob(
                     request.request_id, st.scope, plan, list(owned), text,
                     prompt.ids[:length].astype("<u4").tobytes(), self.context_size,
-                    tool_map=tool_entries(st.control, text)))
+                    tool_map=tool_entries(st.control, text), groups=stored))
                 st.copies_out += self.workers
             except Exception:
                 # A reservation nobody will report keeps has_pending_push_work() true and
@@ -259,10 +328,10 @@ class SchedulerSide:
             planned = True
         return planned
 
-    def _block_ids(self, req_id: str) -> list[int]:
+    def _block_ids(self, req_id: str) -> list[list[int]]:
         if self.kv_cache_manager is None:
             return []
-        return list(self.kv_cache_manager.get_block_ids(req_id)[0])
+        return [list(ids) for ids in self.kv_cache_manager.get_block_ids(req_id)]
 
     @guarded("build_connector_meta", lambda: StepMeta())
     def build_connector_meta(self, scheduler_output: Any) -> StepMeta:
@@ -303,12 +372,21 @@ class SchedulerSide:
 
     @guarded("request_finished", lambda: (False, None))
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        return self._finished(request, [list(block_ids)])
+
+    @guarded("request_finished", lambda: (False, None))  # the same hook, per group
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        return self._finished(request, [list(ids) for ids in block_ids])
+
+    def _finished(self, request: Any, group_ids: list[list[int]]) -> tuple[bool, dict | None]:
         st = self._reqs.pop(request.request_id, None)
         if st is None or not st.may_save:
             # A request aborted mid-load is released by its finished_recving, never here.
             return False, None
-        computed = min(request.num_computed_tokens, len(block_ids) * self.block_size)
-        self._plan_saves(st, self.rules.on_finished(computed), list(block_ids))
+        tables = min((len(ids) for ids in group_ids), default=0)
+        computed = min(request.num_computed_tokens, tables * self.block_size)
+        self._plan_saves(st, self.rules.on_finished(computed), group_ids)
         if not st.holds_blocks:
             return False, None
         # Some copy of its pages may still run (copies run after the step that planned

@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvdisk.core.compat import (Placement, UnsupportedConfig, check_context_parallel, check_kv_dtype,
-                                kv_dtype_identity, kv_shard, layer_range, tp_replicas)
+from vllm_kvdisk.core.compat import (GroupInfo, Placement, UnsupportedConfig, check_context_parallel,
+                                     check_kv_dtype, groups_signature, kv_dtype_identity, kv_groups,
+                                     kv_shard, layer_range, tp_replicas)
 from vllm_kvdisk.core.config import KVDiskConfig, load_config
 from vllm_kvdisk.core.identity import model_identity
 from vllm_kvdisk.core.keys import Fingerprint
@@ -42,11 +43,13 @@ def engine_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig |
     from vllm_kvdisk.connector.transfer import dtype_name
 
     cache, parallel = vllm_config.cache_config, vllm_config.parallel_config
-    if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) != 1:
-        raise UnsupportedConfig("kvdisk supports models with one KV cache group (full attention)")
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+        raise UnsupportedConfig("kvdisk: the engine has no KV cache groups")
     check_context_parallel(getattr(parallel, "decode_context_parallel_size", 1),
                            getattr(parallel, "prefill_context_parallel_size", 1))
     check_kv_dtype(str(cache.cache_dtype))  # before the tensor dtype: int8 has no name
+    groups = kv_groups([group_info(g.kv_cache_spec, len(g.layer_names))
+                        for g in kv_cache_config.kv_cache_groups])
     group = kv_cache_config.kv_cache_groups[0]
     spec = group.kv_cache_spec
     head_v = getattr(spec, "head_size_v", None) or spec.head_size
@@ -54,7 +57,8 @@ def engine_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig |
         layout = str(cache.get_resolved_kv_cache_layout().name)
     except Exception:  # noqa: BLE001 - older/newer vLLM: the platform still tells it apart
         layout = "default"
-    names = list(group.layer_names)
+    by_group = tuple(tuple(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+    names = [name for layer_names in by_group for name in layer_names]
     model_config = vllm_config.model_config
     tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     # vLLM counts replicas only where backends publish their shard count; the model's
@@ -68,11 +72,30 @@ def engine_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig |
     fp = Fingerprint(
         model=model, revision=revision, kv_dtype=kv_dtype,
         layout=f"{current_platform.device_type}:{layout}/"
-               f"L{len(names)}xH{spec.num_kv_heads}xC{spec.head_size + head_v}",
+               f"L{len(names)}xH{spec.num_kv_heads}xC{spec.head_size + head_v}"
+               + groups_signature(groups),
         block_size=spec.block_size, tp_size=tp_size, tp_rank=shard.index,
         pp_size=pp_size, pp_rank=pp_rank if pp_size > 1 else 0,
         layers=layer_range(names) if pp_size > 1 else "")
-    return fp, Placement(tp_rank, pp_rank, shard, tuple(names), kv_cache_config.num_blocks)
+    return fp, Placement(tp_rank, pp_rank, shard, tuple(names), kv_cache_config.num_blocks,
+                         groups=groups, group_layers=by_group if len(by_group) > 1 else ())
+
+
+def group_info(spec: Any, layers: int) -> GroupInfo:
+    """Plain values of one vLLM KV cache spec, for ``compat.kv_groups``."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    head_v = getattr(spec, "head_size_v", None) or getattr(spec, "head_size", 0)
+    page = (str(getattr(spec, "dtype", "")), getattr(spec, "num_kv_heads", 0),
+            getattr(spec, "head_size", 0), head_v, getattr(spec, "page_size_bytes", 0))
+    window = 0
+    if isinstance(spec, SlidingWindowSpec):
+        window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+    # Subclasses of FullAttentionSpec that change which blocks a hit needs (a window that
+    # skips a middle gap, sinks, sparse sources) are not plain full attention.
+    full = type(spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec")
+    return GroupInfo(type(spec).__name__, layers, int(spec.block_size), page,
+                     full=full and isinstance(spec, FullAttentionSpec), window=window)
 
 
 def token_table_for(vllm_config: VllmConfig) -> TokenTable:
@@ -89,10 +112,11 @@ def build_scheduler_side(vllm_config: VllmConfig, kv_cache_config: Any) -> Sched
 
     # vLLM builds the scheduler's KV cache config from the first worker's: the namespace
     # of TP rank 0 of pipeline stage 0.
-    fp, _ = engine_fingerprint(vllm_config, kv_cache_config, tp_rank=0)
+    fp, placement = engine_fingerprint(vllm_config, kv_cache_config, tp_rank=0)
     events = getattr(vllm_config, "kv_events_config", None)
     return SchedulerSide(engine_config(vllm_config), fp, token_table_for(vllm_config),
                          fp.block_size, vllm_config.model_config.max_model_len,
+                         groups=placement.groups,
                          events=bool(events and events.enable_kv_cache_events),
                          workers=vllm_config.parallel_config.world_size)
 

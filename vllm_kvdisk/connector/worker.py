@@ -35,7 +35,7 @@ import numpy as np
 from vllm_kvdisk.storage.budget import SaveSkipped
 from vllm_kvdisk.core.compat import Placement
 from vllm_kvdisk.core.config import KVDiskConfig
-from vllm_kvdisk.core.format import FormatError
+from vllm_kvdisk.core.format import FormatError, GroupKind
 from vllm_kvdisk.core.entry import Entry
 from vllm_kvdisk.connector.jobs import LoadJob, SaveJob, Scope, StepMeta, WorkerReport
 from vllm_kvdisk.core.keys import Fingerprint, Namespaces
@@ -62,6 +62,13 @@ class WorkerSide:
         self.config = config
         self.stats = StatsRecorder()
         self.placement = placement
+        # A hybrid model (several KV cache groups, or sliding windows): each group's
+        # layers have a block table of their own, and vLLM frees a window's blocks in
+        # the step after the tokens past it are computed.
+        self.groups = placement.groups
+        self.hybrid = len(self.groups) > 1 or any(g.kind == GroupKind.WINDOW for g in self.groups)
+        self._failed_recving: set[str] = set()
+        self._windows_copying = 0  # save copies whose window pages are not copied yet
         # Token counts are per engine: only its first worker counts them (bytes are per
         # rank, summed).
         self._counts_tokens = placement.tp_rank == 0 and placement.pp_rank == 0
@@ -101,14 +108,18 @@ class WorkerSide:
         if missing:  # another stage's layers: its files would restore into the wrong layers
             raise ValueError(f"kvdisk: the KV caches registered lack {len(missing)} layer(s) "
                              f"of this worker's KV cache config, e.g. {missing[0]}")
-        layers = [t for _, t in unique_layers(kv_caches)]
+        if place.group_layers:  # one tensor per layer of each group, in group order: the
+            # groups' views alias one allocation, so nothing may be de-duplicated
+            layers = [kv_caches[name] for names in place.group_layers for name in names]
+        else:
+            layers = [t for _, t in unique_layers(kv_caches)]
         self.mover = PageMover(layers, self.block_size, self.base_fp.layout.split("/")[0],
                                num_blocks=place.num_blocks, tp_rank=place.shard.index,
                                tp_size=place.shard.count)
         if self.mover.device.type == "cuda":
             self.staging.allocate = pinned_buffer  # device copies want page-locked memory
         self.restorer = Restorer(self.store, self.mover, self.staging, self._readers,
-                                 self.block_size)
+                                 self.block_size, self.groups)
         self.store.scan()
         self._shorten_gil_switch()
         log.info("kvdisk worker: %d layers, page %d bytes, %d checkpoint(s) on disk",
@@ -224,6 +235,11 @@ class WorkerSide:
     def handle_preemptions(self, meta: StepMeta) -> None:
         """Before this step's forward: the blocks of requests preempted in it are free
         again, so their copies must be done before anything may write into them."""
+        if self.hybrid:
+            # The scheduler of this step may have freed window blocks a copy of the last
+            # step reads (the window moved on); they are zeroed or written from here on.
+            with self._copy_ended:
+                self._copy_ended.wait_for(lambda: not self._windows_copying)
         if meta.flush:
             with self._copy_ended:
                 self._copy_ended.wait_for(lambda: not self._copying.keys() & set(meta.flush))
@@ -234,7 +250,7 @@ class WorkerSide:
             self._save_failed(job, "KV caches not registered")
             self._confirm_copy(job.req_id)
             return
-        nbytes = len(job.block_ids) * mover.page_bytes * mover.layout.num_layers
+        nbytes = sum(len(ids) for ids in self._layer_ids(job)) * mover.page_bytes
         with self._lock:
             staged = self._staged
             busy = staged + nbytes > self._staging_cap
@@ -242,6 +258,7 @@ class WorkerSide:
                 self._staged += nbytes
                 self.staging_peak = max(self.staging_peak, self._staged)
                 self._copying[job.req_id] = self._copying.get(job.req_id, 0) + 1
+                self._windows_copying += bool(job.groups)
             parent = self._inflight.get(job.plan.parent) if job.plan.parent else None
             done: Future = Future()
             if not busy:
@@ -256,6 +273,8 @@ class WorkerSide:
             self._copier.submit(self._copy, job, nbytes, after, parent[0] if parent else None,
                                 done)
         except RuntimeError:  # shutting down
+            if job.groups:
+                self._windows_copied()
             self._copied(job.req_id)
             self._end_save(job, [], nbytes, done, False, "the worker is shutting down")
 
@@ -265,15 +284,31 @@ class WorkerSide:
         the engine thread), then the write goes to the write pool."""
         mover = self.mover
         pages: list[np.ndarray] = []
+        windows_pending = bool(job.groups)
         try:
-            per_layer = len(job.block_ids) * mover.page_bytes
-            pages = [self.staging.get(per_layer) for _ in range(mover.layout.num_layers)]
-            mover.gather(job.block_ids, pages, after=after)
+            layer_ids = self._layer_ids(job)
+            pages = [self.staging.get(len(ids) * mover.page_bytes) for ids in layer_ids]
+            if job.groups:
+                # Window pages first: vLLM may free those blocks in the next step (the
+                # engine waits for them in handle_preemptions); a running request keeps
+                # its full-attention blocks.
+                kinds = [g.kind for g in self.groups for _ in range(g.layers)]
+                for want_window in (True, False):
+                    part = [i for i, k in enumerate(kinds) if (k == GroupKind.WINDOW) == want_window]
+                    mover.gather_layers([layer_ids[i] for i in part], [pages[i] for i in part],
+                                        after=after, layers=part)
+                    if want_window:
+                        self._windows_copied()
+                        windows_pending = False
+            else:
+                mover.gather(job.block_ids, pages, after=after)
         except Exception as exc:  # noqa: BLE001
             log.warning("kvdisk: copy-out for %s failed: %s", job.plan.sha1, exc)
             self._end_save(job, pages, nbytes, done, False, str(exc))
             return
         finally:
+            if windows_pending:
+                self._windows_copied()
             self._copied(job.req_id)  # its blocks may be given back now
         try:
             self.pool.submit(self._save, job, pages, nbytes, parent, done)
@@ -297,6 +332,11 @@ class WorkerSide:
             else:
                 self._copying.pop(req_id, None)
             self._report.copied.append(req_id)
+            self._copy_ended.notify_all()
+
+    def _windows_copied(self) -> None:
+        with self._copy_ended:
+            self._windows_copying -= 1
             self._copy_ended.notify_all()
 
     def _confirm_copy(self, req_id: str) -> None:
@@ -354,7 +394,8 @@ class WorkerSide:
                                   layers=[memoryview(p).cast("B") for p in pages],
                                   layout=mover.layout, fingerprint=fp.digest(),
                                   kv_dtype=mover.layout.dtype, context_size=job.context_size,
-                                  now=int(time.time()), tool_map=job.tool_map)
+                                  now=int(time.time()), tool_map=job.tool_map,
+                                  groups=self.groups)
             entry = self.store.write(ns, plan.sha1, encoded, protect=self._protected())
         except SaveSkipped as exc:
             self._save_failed(job, exc.detail, exc.reason)
@@ -399,10 +440,25 @@ class WorkerSide:
                     log.warning("kvdisk: load for %s crashed: %s", req_id, exc)
                     bad = job.block_ids
                 if bad:
-                    self._load_errors.update(bad)
+                    if self.hybrid:  # block ids are per group: vLLM takes the request
+                        self._failed_recving.add(req_id)
+                    else:
+                        self._load_errors.update(bad)
                     with self._lock:  # in the same step as finished_recving
                         self._report.failed_loads.append(req_id)
         return sending or None, recving or None
+
+    def take_failed_recving(self) -> set[str]:
+        """Requests whose load fell short, on a hybrid model: vLLM cannot map block ids of
+        several groups back to requests, so the whole request is recomputed."""
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
+
+    def _layer_ids(self, job: SaveJob) -> list[list[int]]:
+        """Each layer's engine block ids of a save, in file order."""
+        if not job.groups:
+            return [job.block_ids] * self.mover.layout.num_layers
+        return [ids for group, ids in zip(self.groups, job.groups) for _ in range(group.layers)]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -11,6 +11,11 @@ whose block arithmetic it does not follow) must be refused at start-up, never ru
 * **Parallelism.** A pipeline stage holds only its layers: stage and layer range are part
   of the identity. Decode/prefill context parallelism shards a block's tokens across
   ranks (a block then covers ``block_size x dcp`` tokens): refused.
+* **KV cache groups (hybrid models).** With vLLM's hybrid KV cache manager a model has one
+  group per layer type, each with its own block table. Full-attention groups and
+  sliding-window groups are served (a window group's checkpoint holds the window a hit at
+  its position needs); Mamba / linear-attention state groups and every other kind are
+  refused, as are groups whose pages differ in shape, dtype or block size.
 * **Replicated KV.** MLA's latent cache, and GQA with fewer KV heads than TP ranks, give
   several ranks identical pages: those ranks share one namespace (the KV *shard*), one of
   them writes it and all of them read it.
@@ -21,6 +26,8 @@ Pure: the wiring reads plain values out of vLLM's config and calls these.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from vllm_kvdisk.core.format import Group, GroupKind
 
 # --kv-cache-dtype values whose pages hold everything a restore needs. "auto" and the
 # float names are the model's own dtype; fp8 per-tensor formats keep their scales in the
@@ -114,6 +121,8 @@ class Placement:
     shard: Shard = Shard(0, 1, True)
     layer_names: tuple[str, ...] = ()  # empty: not checked
     num_blocks: int = 0  # the scheduler's blocks (kernel blocks are grouped into these)
+    groups: tuple[Group, ...] = (Group(GroupKind.FULL, 0),)  # the KV cache groups served
+    group_layers: tuple[tuple[str, ...], ...] = ()  # each group's layers (several groups)
 
 
 def layer_range(names: list[str]) -> str:
@@ -121,3 +130,61 @@ def layer_range(names: list[str]) -> str:
     if not names:
         raise UnsupportedConfig("kvdisk: this worker holds no KV cache layers")
     return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
+
+# vLLM KV cache spec classes (by name) and why kvdisk refuses them.
+_REFUSED_SPECS = {
+    "MambaSpec": "keeps Mamba / linear-attention (Gated-DeltaNet) states, which kvdisk does "
+                 "not checkpoint yet (a restore would need the state at the hit's position)",
+    "ChunkedLocalAttentionSpec": "uses chunked local attention, whose block arithmetic kvdisk "
+                                 "does not follow",
+    "CrossAttentionSpec": "is an encoder-decoder cross-attention cache (per request, not a "
+                          "prefix)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GroupInfo:
+    """What the wiring reads of one vLLM KV cache group (plain values)."""
+
+    spec: str  # the spec's class name
+    layers: int
+    block_size: int
+    page: tuple  # anything that tells the pages apart: (dtype, kv heads, head sizes)
+    full: bool = False  # a FullAttentionSpec (MLA included)
+    window: int = 0  # a SlidingWindowSpec's window plus its retained tokens
+
+
+def kv_groups(groups: list[GroupInfo]) -> tuple[Group, ...]:
+    """The groups kvdisk serves, in vLLM's order, or UnsupportedConfig naming the group."""
+    if not groups:
+        raise UnsupportedConfig("kvdisk: the model has no KV cache group")
+    out = []
+    for i, g in enumerate(groups):
+        if g.full:
+            out.append(Group(GroupKind.FULL, g.layers))
+        elif g.window > 0:
+            out.append(Group(GroupKind.WINDOW, g.layers, window=g.window))
+        else:
+            why = _REFUSED_SPECS.get(g.spec, f"has a {g.spec} KV cache that kvdisk does not "
+                                     "know how to checkpoint exactly")
+            raise UnsupportedConfig(
+                f"kvdisk: KV cache group {i} of this model {why}. kvdisk serves full-attention "
+                "and sliding-window layers only; run this model without kvdisk.")
+    first = groups[0]
+    for i, g in enumerate(groups[1:], 1):
+        if (g.block_size, g.page) != (first.block_size, first.page):
+            raise UnsupportedConfig(
+                f"kvdisk: KV cache group {i} has pages of block size {g.block_size} / "
+                f"{g.page}, group 0 of {first.block_size} / {first.page}; kvdisk needs every "
+                "group to have the same page geometry. Run this model without kvdisk.")
+    return tuple(out)
+
+
+def groups_signature(groups: tuple[Group, ...]) -> str:
+    """The groups' part of the namespace layout ('' for one full-attention group, so such
+    an engine's layout string is the one it always had)."""
+    if len(groups) == 1 and groups[0].kind == GroupKind.FULL:
+        return ""
+    return "/G" + ",".join((f"w{g.window}" if g.kind == GroupKind.WINDOW else "f")
+                           + f"x{g.layers}" for g in groups)

@@ -9,6 +9,10 @@ Invariants:
 * Page data are opaque: whole blocks, layer by layer, each layer guarded by its own
   xxh3-64, so a restore can read and verify one layer at a time (into staging or
   straight into its destination blocks).
+* Layers come in KV cache groups (format v2): a full-attention group's layers hold the
+  blocks the file owns, ``[parent_tokens, tokens)``; a sliding-window group's layers hold
+  the window a hit at ``tokens`` needs, ``window_blocks(tokens, window, block)``, whatever
+  the parent. Every group's range is checked against that rule when a file is read.
 * No pickle, no eval: only ``struct`` and raw bytes.
 
 Pure: standard library, numpy-free, xxhash for checksums.
@@ -23,10 +27,10 @@ from typing import Sequence
 
 import xxhash
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC = b"KVC"
 PAYLOAD_MAGIC = b"KVDP"
-PAYLOAD_VERSION = 1
+PAYLOAD_VERSION = 2
 KTM_MAGIC = b"KTM"
 KTM_VERSION = 1
 PAGE_ALIGN = 4096
@@ -36,6 +40,7 @@ MAX_TEXT_BYTES = 1 << 30
 MAX_LAYERS = 1024
 MAX_PAGE_BYTES = 1 << 28
 MAX_PAGE_DIMS = 6
+MAX_GROUPS = 64
 MAX_KTM_ENTRIES = 1 << 20
 MAX_TOOL_ID_BYTES = 1024
 MAX_TOOL_TEXT_BYTES = 1 << 20
@@ -50,14 +55,17 @@ HEADER = struct.Struct("<3sBBBHIIQQQQ")  # 48 bytes
 TEXT_LEN = struct.Struct("<I")
 # magic, version, fixed length, fingerprint, parent sha1, parent tokens, block size,
 # first block, blocks, layers, page bytes, tp rank, tp size, page dtype, page ndim,
-# reserved, 6 page dims, layout name, token digest, KTM checksum
+# group count, 6 page dims, layout name, token digest, KTM checksum
 PAYLOAD_FIXED = struct.Struct("<4sHH32s20sIIIIIQHHBBH6I24sQQ")
+# one KV cache group: kind, zero, layers, window tokens, first block, block count
+GROUP = struct.Struct("<BBHIII")
+GROUP_COUNT_AT = 94  # u16 inside PAYLOAD_FIXED
 CHECKSUM = struct.Struct("<Q")
 KTM_HEAD = struct.Struct("<3sBI")
 KTM_ENTRY = struct.Struct("<II")
 HEADER_FIELD_HITS = 12
 HEADER_FIELD_LAST_USED = 32
-if HEADER.size != 48 or PAYLOAD_FIXED.size != 160:  # the spec pins both sizes
+if HEADER.size != 48 or PAYLOAD_FIXED.size != 160 or GROUP.size != 16:  # the spec pins both sizes
     raise RuntimeError("struct layout drifted from docs/FORMAT.md")
 
 
@@ -172,6 +180,42 @@ class PageLayout:
             raise FormatError(f"tp rank {self.tp_rank} not below tp size {self.tp_size}")
 
 
+class GroupKind(IntEnum):
+    FULL = 1  # full attention: the blocks the file owns
+    WINDOW = 2  # sliding window: the window a hit at the file's end needs
+
+
+def window_blocks(tokens: int, window: int, block_size: int) -> tuple[int, int]:
+    """``(first block, block count)`` a sliding-window group needs for a hit at ``tokens``:
+    vLLM frees the blocks before token ``tokens - window + 1`` (its skipped tokens) and
+    attends to the rest."""
+    first = max(0, tokens - window + 1) // block_size
+    return first, tokens // block_size - first
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """One KV cache group of the file: its kind, its layers' count and the blocks each of
+    its layers holds, ``[first_block, first_block + num_blocks)``."""
+
+    kind: GroupKind
+    layers: int
+    window: int = 0  # tokens (window groups): vLLM's window plus any retained tokens
+    first_block: int = 0
+    num_blocks: int = 0
+
+    def placed(self, parent_tokens: int, tokens: int, block_size: int) -> Group:
+        """This group with the block range a file ``[parent_tokens, tokens)`` holds."""
+        if self.kind == GroupKind.WINDOW:
+            first, count = window_blocks(tokens, self.window, block_size)
+        else:
+            first, count = parent_tokens // block_size, (tokens - parent_tokens) // block_size
+        return replace(self, first_block=first, num_blocks=count)
+
+
+FULL_ONLY = (Group(GroupKind.FULL, 0),)  # a model with one full-attention group
+
+
 @dataclass(frozen=True, slots=True)
 class Payload:
     """The payload's own header: what the pages are and what they extend."""
@@ -185,6 +229,16 @@ class Payload:
     token_digest: int
     ktm_checksum: int = 0
     checksums: tuple[int, ...] = field(default=())  # [head+tokens, layer 0, layer 1, ...]
+    # The file's KV cache groups, layers in this order. Encoding places each group
+    # (``Group.placed``); a layer count of 0 in a lone group means every layer.
+    groups: tuple[Group, ...] = FULL_ONLY
+
+    def layer_blocks(self) -> list[tuple[int, int]]:
+        """``(first block, block count)`` of every layer, in file order."""
+        return [(g.first_block, g.num_blocks) for g in self.groups for _ in range(g.layers)]
+
+    def group_of_layer(self) -> list[int]:
+        return [i for i, g in enumerate(self.groups) for _ in range(g.layers)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,23 +249,37 @@ class Offsets:
     payload: int
     tokens: int
     pages: int
-    layer_bytes: int
+    layer_at: tuple[int, ...]  # layer i's pages are [layer_at[i], layer_at[i + 1])
     ktm: int
     total: int
 
     def layer(self, index: int) -> int:
-        return self.pages + index * self.layer_bytes
+        return self.layer_at[index]
+
+    def layer_size(self, index: int) -> int:
+        return self.layer_at[index + 1] - self.layer_at[index]
+
+    @property
+    def layer_bytes(self) -> int:
+        """The bytes of every layer, for a file whose layers all hold the same blocks."""
+        sizes = {self.layer_size(i) for i in range(len(self.layer_at) - 1)}
+        if len(sizes) != 1:
+            raise ValueError("the layers of this file hold different block ranges")
+        return sizes.pop()
 
 
-def compute_offsets(text_len: int, tokens: int, layout: PageLayout, num_blocks: int,
-                    num_layers: int, ktm_len: int) -> Offsets:
+def compute_offsets(text_len: int, tokens: int, layout: PageLayout,
+                    layer_blocks: Sequence[tuple[int, int]], ktm_len: int,
+                    groups: int = 1) -> Offsets:
     text = HEADER.size + TEXT_LEN.size
     payload = text + text_len
-    tokens_at = payload + PAYLOAD_FIXED.size + CHECKSUM.size * (num_layers + 1)
+    tokens_at = (payload + PAYLOAD_FIXED.size + GROUP.size * groups
+                 + CHECKSUM.size * (len(layer_blocks) + 1))
     pages = -(-(tokens_at + 4 * tokens) // PAGE_ALIGN) * PAGE_ALIGN
-    layer_bytes = num_blocks * layout.page_bytes
-    ktm = pages + layer_bytes * num_layers
-    return Offsets(text, payload, tokens_at, pages, layer_bytes, ktm, ktm + ktm_len)
+    at = [pages]
+    for _, count in layer_blocks:
+        at.append(at[-1] + count * layout.page_bytes)
+    return Offsets(text, payload, tokens_at, pages, tuple(at), at[-1], at[-1] + ktm_len)
 
 
 def _pack_payload_fixed(p: Payload) -> bytes:
@@ -222,21 +290,23 @@ def _pack_payload_fixed(p: Payload) -> bytes:
         PAYLOAD_MAGIC, PAYLOAD_VERSION, PAYLOAD_FIXED.size, p.fingerprint, parent,
         p.parent_tokens, lay.block_size, p.first_block, p.num_blocks, lay.num_layers,
         lay.page_bytes, lay.tp_rank, lay.tp_size, DTYPES[lay.dtype][0], len(lay.page_shape),
-        0, *shape, lay.name.encode().ljust(24, b"\0"), p.token_digest, p.ktm_checksum)
+        len(p.groups), *shape, lay.name.encode().ljust(24, b"\0"), p.token_digest, p.ktm_checksum)
 
 
 def unpack_payload_fixed(buf: bytes, header: Header) -> Payload:
     if len(buf) < PAYLOAD_FIXED.size:
         raise FormatError("truncated payload header")
     (magic, version, fixed_len, fingerprint, parent, parent_tokens, block_size, first_block,
-     num_blocks, num_layers, page_bytes, tp_rank, tp_size, dtype, ndim, reserved, *rest
+     num_blocks, num_layers, page_bytes, tp_rank, tp_size, dtype, ndim, n_groups, *rest
      ) = PAYLOAD_FIXED.unpack_from(buf)
     shape_all, name, digest, ktm_sum = rest[:6], rest[6], rest[7], rest[8]
     if magic != PAYLOAD_MAGIC:
         raise FormatError(f"bad payload magic {magic!r}")
     if version != PAYLOAD_VERSION or fixed_len != PAYLOAD_FIXED.size:
         raise UnsupportedFile(f"payload version {version}/{fixed_len}")
-    if reserved or not 1 <= ndim <= MAX_PAGE_DIMS or any(shape_all[ndim:]):
+    if not 1 <= n_groups <= MAX_GROUPS:
+        raise FormatError(f"group count {n_groups} outside 1..{MAX_GROUPS}")
+    if not 1 <= ndim <= MAX_PAGE_DIMS or any(shape_all[ndim:]):
         raise FormatError("bad page shape fields")
     if dtype not in DTYPE_NAMES:
         raise FormatError(f"unknown page dtype code {dtype}")
@@ -262,7 +332,37 @@ def unpack_payload_fixed(buf: bytes, header: Header) -> Payload:
     if (first_block + num_blocks) * block_size != header.tokens:
         raise FormatError("owned blocks do not end at the token count")
     return Payload(fingerprint, parent.hex() if has_parent else None, parent_tokens,
-                   first_block, num_blocks, layout, digest, ktm_sum)
+                   first_block, num_blocks, layout, digest, ktm_sum,
+                   groups=(Group(GroupKind.FULL, 0),) * n_groups)  # read by unpack_groups
+
+
+def pack_groups(groups: Sequence[Group]) -> bytes:
+    return b"".join(GROUP.pack(int(g.kind), 0, g.layers, g.window, g.first_block, g.num_blocks)
+                    for g in groups)
+
+
+def unpack_groups(buf: bytes, payload: Payload, tokens: int) -> Payload:
+    """The group table after the payload header (``len(payload.groups)`` records), checked:
+    known kinds, layer counts adding up to the layer count, every group's block range the
+    one its kind gives for this file."""
+    count = len(payload.groups)
+    if len(buf) < GROUP.size * count:
+        raise FormatError("truncated group table")
+    lay, groups = payload.layout, []
+    for i in range(count):
+        kind, zero, layers, window, first, blocks = GROUP.unpack_from(buf, GROUP.size * i)
+        if zero or kind not in (GroupKind.FULL, GroupKind.WINDOW) or layers < 1:
+            raise FormatError(f"group {i}: bad kind {kind} or layer count {layers}")
+        if (kind == GroupKind.WINDOW) != (window > 0) or window > MAX_TOKENS:
+            raise FormatError(f"group {i}: window {window} does not fit its kind")
+        group = Group(GroupKind(kind), layers, window, first, blocks)
+        if group != group.placed(payload.parent_tokens, tokens, lay.block_size):
+            raise FormatError(f"group {i}: blocks {first}+{blocks} are not the ones its kind "
+                              "holds for this file")
+        groups.append(group)
+    if sum(g.layers for g in groups) != lay.num_layers:
+        raise FormatError("group layer counts do not add up to the layer count")
+    return replace(payload, groups=tuple(groups))
 
 
 def encode_tool_map(entries: Sequence[tuple[str, str]]) -> bytes:
@@ -334,13 +434,22 @@ def encode_checkpoint(*, text: bytes, tokens: bytes, layers: Sequence[bytes | me
     ktm = encode_tool_map(tool_map) if tool_map else b""
     if len(ktm) > MAX_KTM_BYTES:
         raise FormatError(f"tool map of {len(ktm)} bytes > {MAX_KTM_BYTES}")
-    offsets = compute_offsets(len(text), n_tokens, lay, payload.num_blocks, lay.num_layers, len(ktm))
-    for buf in layers:
-        if memoryview(buf).nbytes != offsets.layer_bytes:
-            raise FormatError(f"layer buffer of {memoryview(buf).nbytes} bytes, "
-                              f"expected {offsets.layer_bytes}")
+    groups = payload.groups
+    if len(groups) == 1 and groups[0].layers == 0:
+        groups = (replace(groups[0], layers=lay.num_layers),)
+    if not 1 <= len(groups) <= MAX_GROUPS or sum(g.layers for g in groups) != lay.num_layers:
+        raise FormatError(f"{len(groups)} groups of {[g.layers for g in groups]} layers "
+                          f"for {lay.num_layers} layers")
+    groups = tuple(g.placed(payload.parent_tokens, n_tokens, lay.block_size) for g in groups)
+    payload = replace(payload, groups=groups)
+    offsets = compute_offsets(len(text), n_tokens, lay, payload.layer_blocks(), len(ktm),
+                              len(groups))
+    for i, buf in enumerate(layers):
+        if memoryview(buf).nbytes != offsets.layer_size(i):
+            raise FormatError(f"layer {i} buffer of {memoryview(buf).nbytes} bytes, "
+                              f"expected {offsets.layer_size(i)}")
     payload = replace(payload, ktm_checksum=xxhash.xxh3_64_intdigest(ktm) if ktm else 0)
-    fixed = _pack_payload_fixed(payload)
+    fixed = _pack_payload_fixed(payload) + pack_groups(groups)
     sums = [xxhash.xxh3_64_intdigest(fixed + tokens)]
     sums += [xxhash.xxh3_64_intdigest(buf) for buf in layers]
     payload = replace(payload, checksums=tuple(sums))

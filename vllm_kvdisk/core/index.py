@@ -54,6 +54,7 @@ class Miss(str, Enum):
     TOKENS_DIFFER = "text equal but tokens differ"
     OTHER_NAMESPACE = "checkpoint of another model/layout/dtype/salt"
     CHEAPER_TO_RECOMPUTE = "cheaper to recompute"
+    WINDOW_NOT_STORED = "sliding window not stored at the prompt's position"
     SKIPPED = "loading skipped by the request"
 
     @property
@@ -99,6 +100,12 @@ class Lookup:
     def cut(self, count: int, miss: Miss) -> Lookup:
         """The same lookup with only its first ``count`` segments."""
         return Lookup(self.segments[:count], miss, self.diverged, self.other_namespaces)
+
+    def cut_at(self, tokens: int, miss: Miss) -> Lookup:
+        """The same lookup ending at ``tokens`` (a block boundary inside it)."""
+        segments = [s if s.upto <= tokens else Segment(s.entry, tokens)
+                    for s in self.segments if s.entry.parent_tokens < tokens]
+        return Lookup(segments, miss, self.diverged, self.other_namespaces)
 
 
 def common_blocks(a: np.ndarray, b: np.ndarray, block_size: int) -> int:

@@ -15,7 +15,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from vllm_kvdisk.core.format import Encoded, PageLayout, Payload, Reason, encode_checkpoint
+from vllm_kvdisk.core.format import (FULL_ONLY, Encoded, Group, PageLayout, Payload, Reason,
+                                     encode_checkpoint)
 from vllm_kvdisk.core.entry import Entry, head_digest
 from vllm_kvdisk.core.index import IdsReader, Index, Lookup, Miss
 from vllm_kvdisk.core.keys import as_token_array, token_digest
@@ -114,17 +115,64 @@ class Planner:
             ids=ids))
 
 
+def window_sources(files: Sequence[tuple[int, int]], hit: int, local: int, window: int,
+                   block_size: int) -> list[tuple[int, int]] | None:
+    """Where the pages of one sliding-window group come from for a hit at ``hit``.
+
+    ``files``: ``(tokens, upto)`` of each file of the chain, in order (a file's window
+    group holds the window before its own end, ``window_blocks(tokens)``, valid for this
+    prompt below ``upto``). The hit needs the blocks ``[skip(hit), hit)`` (vLLM's skipped
+    tokens ``hit - window + 1``) that are not held locally (below ``local``). Returns, per
+    file, the request blocks ``[a, c)`` read from it (the deepest file that holds a block
+    gives it), or None when a needed block is in no file: such a hit cannot be served."""
+    bs = block_size
+    need_first = max(max(0, hit - window + 1) // bs, local // bs)
+    hi = hit // bs
+    out = [(0, 0)] * len(files)
+    for i in range(len(files) - 1, -1, -1):
+        if hi <= need_first:
+            break
+        tokens, upto = files[i]
+        first = max(0, tokens - window + 1) // bs
+        a, c = max(first, need_first), min(upto, hit) // bs
+        if c < hi or a >= c:
+            return None
+        out[i] = (a, hi)
+        hi = a
+    return out if hi <= need_first else None
+
+
+def trim_to_windows(lookup: Lookup, local: int, windows: Sequence[int],
+                    block_size: int) -> Lookup:
+    """The deepest part of ``lookup`` whose sliding windows are all stored (or held
+    locally): a file used whole always is; a prompt that leaves a file in its middle is
+    served there only if the window before that point is on disk (in that file's own
+    window, or a parent's just below it); otherwise the hit steps back, block by block."""
+    if not windows or lookup.tokens <= local:  # nothing to load: nothing to trim
+        return lookup
+    bs = block_size
+    for hit in range(lookup.tokens, local, -bs):
+        part = lookup if hit == lookup.tokens else lookup.cut_at(hit, Miss.WINDOW_NOT_STORED)
+        files = [(s.entry.tokens, s.upto) for s in part.segments]
+        if all(window_sources(files, hit, local, w, bs) is not None for w in windows):
+            return part
+    return lookup.cut(0, Miss.WINDOW_NOT_STORED)
+
+
 def encode_plan(plan: SavePlan, *, text: bytes, ids: np.ndarray | bytes, layers: Sequence,
                 layout: PageLayout, fingerprint: bytes, kv_dtype: str, context_size: int,
-                now: int, tool_map: Sequence[tuple[str, str]] = ()) -> Encoded:
-    """Encode the file of ``plan``; ``layers`` hold the pages of blocks it owns and
-    ``ids`` the token ids of (at least) the whole prefix."""
+                now: int, tool_map: Sequence[tuple[str, str]] = (),
+                groups: Sequence[Group] = FULL_ONLY) -> Encoded:
+    """Encode the file of ``plan``; ``layers`` hold, per layer in group order, the pages of
+    the blocks its group stores (``Group.placed``) and ``ids`` the token ids of (at least)
+    the whole prefix."""
     bs = layout.block_size
     if isinstance(ids, (bytes, bytearray, memoryview)):
         ids = np.frombuffer(ids, dtype="<u4")
     tokens = np.ascontiguousarray(ids[: plan.tokens], dtype="<u4")
     payload = Payload(fingerprint, plan.parent, plan.parent_tokens, plan.parent_tokens // bs,
-                      (plan.tokens - plan.parent_tokens) // bs, layout, token_digest(tokens))
+                      (plan.tokens - plan.parent_tokens) // bs, layout, token_digest(tokens),
+                      groups=tuple(groups))
     return encode_checkpoint(text=text, tokens=tokens.tobytes(), layers=layers, payload=payload,
                              reason=plan.reason, kv_dtype=kv_dtype, context_size=context_size,
                              now=now, tool_map=tool_map)

@@ -19,6 +19,12 @@ restores everything the server computed up to the first re-rendered token, less 
 block short at most. With ``tails`` off the rules are exactly ds4's.
 
 Every position is at least ``min_tokens``; cold positions are at most ``cold_max``.
+
+Sliding-window models (``cold_before_last_token``): a file holds the window before its own
+end only, so a prompt resent as it is (vLLM computes its last token again, so a hit ends
+at ``block_floor(prompt - 1)``) would use a tail at ``block_floor(prompt)`` partly, one
+block short of it, where that file's window does not reach. Cold positions are then those
+of ``prompt - 1``: the same unless the prompt is a whole number of blocks.
 Positions come out ascending, so a tail is planned after (and as a delta on) the grid
 checkpoint below it. Pure: no vLLM, no I/O.
 """
@@ -38,6 +44,7 @@ class SaveRules:
     cold_max: int
     continued_interval: int
     tails: bool = True
+    cold_before_last_token: bool = False
 
     def positions(self, tokens: int) -> list[int]:
         """Where a checkpoint of the first ``tokens`` computed tokens goes."""
@@ -51,7 +58,8 @@ class SaveRules:
         ``after`` (a prompt of ``prompt_tokens``)."""
         out: list[tuple[int, Reason]] = []
         if before < prompt_tokens <= after:  # the prefill completes in this step
-            out += [(p, Reason.COLD) for p in self.positions(prompt_tokens) if p <= self.cold_max]
+            last = prompt_tokens - 1 if self.cold_before_last_token else prompt_tokens
+            out += [(p, Reason.COLD) for p in self.positions(last) if p <= self.cold_max]
         interval = self.continued_interval
         if after // interval > before // interval:
             frontier = self.grid.floor(after)

@@ -183,6 +183,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                    "layers": p.layout.num_layers, "page_shape": list(p.layout.page_shape),
                    "page_dtype": p.layout.dtype, "page_bytes": p.layout.page_bytes,
                    "tp_rank": p.layout.tp_rank, "tp_size": p.layout.tp_size},
+        "groups": [{"kind": g.kind.name.lower(), "layers": g.layers, "window": g.window,
+                    "first_block": g.first_block, "blocks": g.num_blocks} for g in p.groups],
         "token_digest": f"{p.token_digest:016x}",
         "chain": [{"sha1": e.sha1, "tokens": e.tokens, "parent_tokens": e.parent_tokens}
                   for e in chain] if chain else None,
@@ -205,9 +207,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("last used", f"{human_time(h.last_used)} ({human_age(now - h.last_used)} ago), {h.hits} hit(s)"),
         ("size", f"{human_bytes(size)}: text {human_bytes(meta.text_len)}, "
                  f"payload {human_bytes(h.payload_bytes)}"),
-        ("layout", f"{lay['name']}: {lay['layers']} layers x {p.num_blocks} pages of "
+        ("layout", f"{lay['name']}: {lay['layers']} layers, pages of "
                    f"{lay['page_shape']} {lay['page_dtype']} ({human_bytes(lay['page_bytes'])} "
                    f"each), block {lay['block_size']}, TP {lay['tp_rank']}/{lay['tp_size']}"),
+        ("groups", "; ".join(
+            f"{g['kind']}{' ' + str(g['window']) if g['window'] else ''}: {g['layers']} "
+            f"layer(s) x blocks {g['first_block']}..{g['first_block'] + g['blocks']}"
+            for g in info["groups"])),
         ("chain", " -> ".join(f"{c['sha1'][:12]}({c['parent_tokens']}..{c['tokens']})"
                               for c in info["chain"]) if info["chain"]
          else "BROKEN (a parent is missing)"),

@@ -23,6 +23,9 @@ import xxhash
 from vllm_kvdisk.core.format import (
     CHECKSUM,
     FLAG_DELTA,
+    GROUP,
+    GROUP_COUNT_AT,
+    MAX_GROUPS,
     FLAG_TOOL_MAP,
     HEADER,
     MAX_KTM_BYTES,
@@ -41,6 +44,7 @@ from vllm_kvdisk.core.format import (
     UnsupportedFile,
     compute_offsets,
     decode_tool_map,
+    unpack_groups,
     unpack_payload_fixed,
 )
 from vllm_kvdisk.storage.fsdir import IOV_MAX
@@ -59,7 +63,7 @@ class Meta:
 _SUMMARY = struct.Struct("<4sHH32s20sII")  # magic .. block size (prefix of PAYLOAD_FIXED)
 _LAYERS_AT = 4 + 2 + 2 + 32 + 20 + 4 + 4 + 4 + 4  # u32 layer count inside PAYLOAD_FIXED
 _DIGEST_AT = PAYLOAD_FIXED.size - 16
-_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+_U16, _U32, _U64 = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<Q")
 _NO_PARENT = bytes(20)
 
 
@@ -107,7 +111,8 @@ def read_summary(fd: int, file_size: int) -> Summary:
         # The payload header and the checksum table follow each other: one read of that
         # span (bounded by MAX_LAYERS) holds what the first page did not. Not the token
         # ids: only the first owned block's are needed (512 KiB for 131k tokens, 64 B).
-        span = min(header.payload_bytes, PAYLOAD_FIXED.size + CHECKSUM.size * (MAX_LAYERS + 1))
+        span = min(header.payload_bytes, PAYLOAD_FIXED.size + GROUP.size * MAX_GROUPS
+                   + CHECKSUM.size * (MAX_LAYERS + 1))
         buf, base = _pread_exact(fd, span, payload_at), payload_at
     magic, version, fixed_len, _, parent, parent_tokens, block_size = _SUMMARY.unpack_from(
         buf, payload_at - base)
@@ -116,14 +121,16 @@ def read_summary(fd: int, file_size: int) -> Summary:
     if version != PAYLOAD_VERSION or fixed_len != PAYLOAD_FIXED.size:
         raise UnsupportedFile(f"payload version {version}/{fixed_len}")
     (layers,) = _U32.unpack_from(buf, payload_at - base + _LAYERS_AT)
+    (groups,) = _U16.unpack_from(buf, payload_at - base + GROUP_COUNT_AT)
     has_parent = parent != _NO_PARENT
     if (has_parent != bool(header.flags & FLAG_DELTA) or parent_tokens >= header.tokens
             or has_parent != (parent_tokens > 0) or not 1 <= layers <= MAX_LAYERS
+            or not 1 <= groups <= MAX_GROUPS
             or not 1 <= block_size <= header.tokens or parent_tokens % block_size
             or header.tokens % block_size):
         raise FormatError("parent, block or layer fields inconsistent")
     (digest,) = _U64.unpack_from(buf, payload_at - base + _DIGEST_AT)
-    ids_at = payload_at + PAYLOAD_FIXED.size + CHECKSUM.size * (layers + 1)
+    ids_at = payload_at + PAYLOAD_FIXED.size + GROUP.size * groups + CHECKSUM.size * (layers + 1)
     if ids_at + 4 * (parent_tokens + block_size) > payload_at + header.payload_bytes:
         raise FormatError("token ids extend past the payload")
     head_at = ids_at + 4 * parent_tokens - base
@@ -141,11 +148,15 @@ def read_meta(fd: int, file_size: int) -> Meta:
     payload_at = HEADER.size + TEXT_LEN.size + text_len
     fixed_end = payload_at + PAYLOAD_FIXED.size
     payload = unpack_payload_fixed(_read_span(fd, first, payload_at, PAYLOAD_FIXED.size), header)
+    groups_len = GROUP.size * len(payload.groups)
+    if PAYLOAD_FIXED.size + groups_len > header.payload_bytes:
+        raise FormatError("group table extends past the payload")
+    payload = unpack_groups(_read_span(fd, first, fixed_end, groups_len), payload, header.tokens)
     count = payload.layout.num_layers + 1
-    sums_raw = _read_span(fd, first, fixed_end, CHECKSUM.size * count)
+    sums_raw = _read_span(fd, first, fixed_end + groups_len, CHECKSUM.size * count)
     payload = replace(payload, checksums=struct.unpack(f"<{count}Q", sums_raw))
-    offsets = compute_offsets(text_len, header.tokens, payload.layout, payload.num_blocks,
-                              payload.layout.num_layers, 0)
+    offsets = compute_offsets(text_len, header.tokens, payload.layout, payload.layer_blocks(),
+                              0, len(payload.groups))
     if offsets.ktm - offsets.payload != header.payload_bytes:
         raise FormatError(f"payload bytes {header.payload_bytes} != layout's "
                           f"{offsets.ktm - offsets.payload}")
@@ -155,8 +166,8 @@ def read_meta(fd: int, file_size: int) -> Meta:
     if ktm_len > MAX_KTM_BYTES:
         raise FormatError(f"tool map of {ktm_len} bytes > {MAX_KTM_BYTES}")
     if ktm_len:
-        offsets = compute_offsets(text_len, header.tokens, payload.layout, payload.num_blocks,
-                                  payload.layout.num_layers, ktm_len)
+        offsets = compute_offsets(text_len, header.tokens, payload.layout,
+                                  payload.layer_blocks(), ktm_len, len(payload.groups))
     return Meta(header, payload, offsets, text_len)
 
 
@@ -194,10 +205,12 @@ def text_sha1(fd: int, meta: Meta, chunk: int = CHECK_CHUNK) -> str:
 
 def check_layers(fd: int, meta: Meta, chunk: int = CHECK_CHUNK) -> None:
     """Verify every layer's checksum in bounded memory; FormatError on a mismatch."""
-    buf = bytearray(max(1, min(chunk, meta.offsets.layer_bytes)))
-    for layer in range(meta.payload.layout.num_layers):
+    n_layers = meta.payload.layout.num_layers
+    biggest = max(meta.offsets.layer_size(i) for i in range(n_layers))
+    buf = bytearray(max(1, min(chunk, biggest)))
+    for layer in range(n_layers):
         hasher = xxhash.xxh3_64()
-        _stream(fd, meta.offsets.layer(layer), meta.offsets.layer_bytes, hasher.update, buf)
+        _stream(fd, meta.offsets.layer(layer), meta.offsets.layer_size(layer), hasher.update, buf)
         if hasher.intdigest() != meta.payload.checksums[layer + 1]:
             raise FormatError(f"checksum mismatch in layer {layer}")
 
@@ -212,7 +225,7 @@ def read_tokens(fd: int, meta: Meta) -> bytes:
     """Token ids (u32 LE) after checking the head+tokens checksum."""
     head_at = meta.offsets.payload
     raw = _pread_exact(fd, meta.offsets.tokens - head_at + 4 * meta.header.tokens, head_at)
-    fixed = raw[:PAYLOAD_FIXED.size]
+    fixed = raw[:PAYLOAD_FIXED.size + GROUP.size * len(meta.payload.groups)]
     tokens = raw[meta.offsets.tokens - head_at:]
     if xxhash.xxh3_64_intdigest(fixed + tokens) != meta.payload.checksums[0]:
         raise FormatError("checksum mismatch in payload header or token ids")
@@ -226,22 +239,21 @@ def read_layers_into(fd: int, meta: Meta, first: int,
     """Read layers ``first, first+1, ...`` (one per item of ``outs``) and verify each
     layer's checksum.
 
-    Each item is one byte buffer of exactly layer_bytes, or a list of byte buffers that
-    together hold exactly layer_bytes in file order (e.g. runs of the engine's own blocks,
+    Each item is one byte buffer of exactly the layer's bytes, or a list of byte buffers
+    that together hold exactly them in file order (e.g. runs of the engine's own blocks,
     so pages land where they are used with no extra copy). Consecutive layers are
     contiguous in the file, so all of them are read by one preadv (batched by IOV_MAX):
     few system calls, because inside a busy engine process every return from one waits
     for the GIL. Then one hash pass per layer. On a checksum mismatch the buffers hold
     unverified bytes: the caller must treat them as garbage.
     """
-    want = meta.offsets.layer_bytes
     layers = [[out] if isinstance(out, memoryview) else list(out) for out in outs]
-    for i, views in enumerate(layers):
-        have = sum(v.nbytes for v in views)
-        if have != want:
-            raise ValueError(f"buffers of {have} bytes for layer {first + i} of {want}")
     if first < 0 or first + len(layers) > meta.payload.layout.num_layers:
         raise ValueError(f"layers {first}..{first + len(layers) - 1} outside the file")
+    for i, views in enumerate(layers):
+        have, want = sum(v.nbytes for v in views), meta.offsets.layer_size(first + i)
+        if have != want:
+            raise ValueError(f"buffers of {have} bytes for layer {first + i} of {want}")
     _preadv_exact(fd, [v for views in layers for v in views], meta.offsets.layer(first),
                   f"layers {first}..{first + len(layers) - 1}")
     for i, views in enumerate(layers):
@@ -273,14 +285,14 @@ def read_layer_parts(fd: int, meta: Meta, layer: int,
                      scratch: memoryview) -> None:
     """Read one layer in file order and verify its checksum, keeping only some of it.
 
-    ``parts``: ``(nbytes, views)`` in file order, adding up to layer_bytes; ``views`` None
+    ``parts``: ``(nbytes, views)`` in file order, adding up to the layer's bytes; ``views`` None
     for bytes that are only checksummed (pages before or past the ones a restore uses),
     read through ``scratch`` a piece at a time: memory stays bounded whatever the file
     claims to hold. On a mismatch the views hold unverified bytes (garbage)."""
-    if sum(n for n, _ in parts) != meta.offsets.layer_bytes:
-        raise ValueError(f"parts do not cover layer {layer}")
     if not 0 <= layer < meta.payload.layout.num_layers:
         raise ValueError(f"layer {layer} outside the file")
+    if sum(n for n, _ in parts) != meta.offsets.layer_size(layer):
+        raise ValueError(f"parts do not cover layer {layer}")
     at = meta.offsets.layer(layer)
     hasher = xxhash.xxh3_64()
     for nbytes, views in parts:

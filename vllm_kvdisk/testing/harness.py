@@ -71,7 +71,8 @@ def make_llm(model: str, kv_dir: str | None, *, prefix_caching: bool = True,
     kwargs = dict(llm_args or {})
     if kv_dir is not None:
         kwargs["kv_transfer_config"] = kvdisk_transfer_config(kv_dir, **extra)
-    return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=max_model_len,
+    kwargs.setdefault("dtype", "float32")
+    return LLM(model=model, enforce_eager=True, max_model_len=max_model_len,
                enable_prefix_caching=prefix_caching, **kwargs)
 
 

@@ -87,10 +87,18 @@ CHAT_TEMPLATE = r"""
 TINY_SHAPE = {"hidden": 256, "layers": 4, "heads": 4, "kv_heads": 2}
 
 
-def _params(seed: int, vocab_size: int, shape: dict[str, int]) -> dict[str, int]:
-    params = {"build_version": _BUILD_VERSION, "seed": seed, "vocab_size": vocab_size}
+ARCHS = ("llama", "gemma3", "qwen3next")
+GEMMA3_WINDOW = 256
+
+
+def _params(seed: int, vocab_size: int, shape: dict[str, int],
+            arch: str = "llama") -> dict[str, int | str]:
+    params: dict[str, int | str] = {"build_version": _BUILD_VERSION, "seed": seed,
+                                    "vocab_size": vocab_size}
     if shape != TINY_SHAPE:  # keep the tiny model's marker (and cached builds) unchanged
         params.update(shape)
+    if arch != "llama":
+        params["arch"] = arch
     return params
 
 
@@ -142,12 +150,48 @@ def _build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return fast
 
 
-def _build(out: pathlib.Path, seed: int, vocab_size: int, shape: dict[str, int]) -> None:
+def _hybrid_config(arch: str, vocab_size: int, shape: dict[str, int], ids: dict[str, int]):
+    common = dict(vocab_size=vocab_size, hidden_size=shape["hidden"],
+                  intermediate_size=2 * shape["hidden"], num_attention_heads=shape["heads"],
+                  num_key_value_heads=shape["kv_heads"], head_dim=64,
+                  max_position_embeddings=32768, initializer_range=0.5,
+                  bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD],
+                  tie_word_embeddings=False)
+    if arch == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        layers = 6  # window, window, full, twice: three KV cache groups of two layers
+        types = (["sliding_attention"] * 2 + ["full_attention"]) * (layers // 3)
+        config = Gemma3TextConfig(num_hidden_layers=layers, sliding_window=GEMMA3_WINDOW,
+                                  layer_types=types, dtype="float32", **common)
+        config.architectures = ["Gemma3ForCausalLM"]
+        return config, Gemma3ForCausalLM, "float32"
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        num_hidden_layers=4, full_attention_interval=2, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=128, shared_expert_intermediate_size=128, decoder_sparse_step=1,
+        dtype="bfloat16", **common)
+    config.architectures = ["Qwen3NextForCausalLM"]
+    return config, Qwen3NextForCausalLM, "bfloat16"
+
+
+def _build(out: pathlib.Path, seed: int, vocab_size: int, shape: dict[str, int],
+           arch: str = "llama") -> None:
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = _build_tokenizer(vocab_size)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL + _ADDED}
+    if arch != "llama":
+        config, model_cls, dtype = _hybrid_config(arch, vocab_size, shape, ids)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = model_cls(config).to(getattr(torch, dtype))
+        _finish(model, tokenizer, ids, out)
+        return
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=shape["hidden"],
@@ -170,6 +214,13 @@ def _build(out: pathlib.Path, seed: int, vocab_size: int, shape: dict[str, int])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).to(torch.float32)
+    _finish(model, tokenizer, ids, out)
+
+
+def _finish(model, tokenizer, ids: dict[str, int], out: pathlib.Path) -> None:
+    import torch
+    from transformers import GenerationConfig
+
     with torch.no_grad():
         # Zero logits for control/tag tokens: random logits have std ~8, so greedy
         # never picks them, and outputs run to max_tokens instead of stopping early.
@@ -190,11 +241,14 @@ def build_tiny_model(
     seed: int = 0,
     vocab_size: int = 4096,
     shape: dict[str, int] | None = None,
+    arch: str = "llama",
 ) -> pathlib.Path:
     """Build (or reuse) the tiny model in ``out_dir``; returns its absolute path."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch {arch!r} is not one of {ARCHS}")
     out = pathlib.Path(out_dir).resolve()
     shape = {**TINY_SHAPE, **(shape or {})}
-    params = _params(seed, vocab_size, shape)
+    params = _params(seed, vocab_size, shape, arch)
     marker = out / _MARKER
     try:
         if json.loads(marker.read_text()) == params:
@@ -206,7 +260,7 @@ def build_tiny_model(
     # concurrent builders (e.g. pytest-xdist) never expose a half-written model.
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
     try:
-        _build(tmp, seed, vocab_size, shape)
+        _build(tmp, seed, vocab_size, shape, arch)
         out.mkdir(exist_ok=True)
         marker.unlink(missing_ok=True)
         for f in sorted(tmp.iterdir()):
@@ -219,10 +273,11 @@ def build_tiny_model(
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m vllm_kvdisk.testing.tinymodel OUT_DIR", file=sys.stderr)
+    if len(args) not in (1, 2) or (len(args) == 2 and args[1] not in ARCHS):
+        print(f"usage: python -m vllm_kvdisk.testing.tinymodel OUT_DIR [{'|'.join(ARCHS)}]",
+              file=sys.stderr)
         return 2
-    print(build_tiny_model(args[0]))
+    print(build_tiny_model(args[0], arch=args[1] if len(args) == 2 else "llama"))
     return 0
 
 

@@ -1,0 +1,119 @@
+"""Sliding-window model: what the disk cache serves, and what it costs on disk.
+
+A tiny Gemma 3 (fp32, window 256, 2 window groups + 1 full-attention group, built offline)
+runs one multi-turn conversation (each turn: the previous prompt, the reply, a new user
+message) three ways, side by side in one run:
+
+* warm: vLLM's own prefix cache, no kvdisk: what a warm engine keeps;
+* disk, hybrid manager on: kvdisk, the device cache emptied before every turn (every hit
+  comes from disk), then a restarted engine replays the last turn;
+* disk, hybrid manager off: the same, with vLLM's hybrid KV cache manager turned off, so
+  every layer is stored at full length (what kvdisk did before it served hybrid models).
+
+Prints cached / warm (overall, and the first turn after the restart), disk bytes per
+cached token, the ratio on vs off, and the time to the first token of the last prompt
+restored from disk over a device-cache hit of it (median of 3, in the restarted engine). Run: ``python benchmarks/hybrid_window.py``
+(starts five engines; about a minute on two cores).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from vllm_kvdisk.testing.harness import engine, generate, random_prompt  # noqa: E402
+from vllm_kvdisk.testing.tinymodel import GEMMA3_WINDOW, build_tiny_model  # noqa: E402
+
+TURNS, USER_TOKENS, REPLY_TOKENS = 6, 400, 32
+CFG = {"kv_cache_min_tokens": 128, "kv_disk_load_policy": "always"}
+
+
+def conversation(llm, reset) -> list[tuple[list[int], list[int], int]]:
+    """(prompt, reply, cached) per turn; ``reset`` empties the device cache first."""
+    prompt, out = [], []
+    for turn in range(TURNS):
+        prompt = prompt + random_prompt(USER_TOKENS, seed=100 + turn)
+        if reset:
+            reset(llm)
+        reply, cached = generate(llm, prompt, max_tokens=REPLY_TOKENS)
+        out.append((prompt, reply, cached))
+        prompt = prompt + reply
+    return out
+
+
+def empty_device(llm) -> None:
+    for _ in range(20):
+        if llm.reset_prefix_cache() is not False:
+            return
+        generate(llm, [7, 8, 9], max_tokens=1)  # a step gives back held blocks
+    raise RuntimeError("the device prefix cache could not be reset")
+
+
+def disk_bytes(kv: str) -> int:
+    return sum(os.path.getsize(p) for p in glob.glob(os.path.join(kv, "*", "*.kv")))
+
+
+def ttft(llm, prompt: list[int]) -> float:
+    started = time.perf_counter()
+    generate(llm, prompt, max_tokens=1)
+    return time.perf_counter() - started
+
+
+def run_disk(model: str, kv: str, hma: bool) -> tuple[list, int, int, float]:
+    args = {} if hma else {"disable_hybrid_kv_cache_manager": True}
+    with engine(model, kv, llm_args=args, **CFG) as llm:
+        turns = conversation(llm, empty_device)
+    last_prompt = turns[-1][0]
+    with engine(model, kv, llm_args=args, **CFG) as llm:  # restarted
+        reply, cached = generate(llm, last_prompt, max_tokens=REPLY_TOKENS)
+        ratios = []
+        for _ in range(3):
+            empty_device(llm)
+            disk = ttft(llm, last_prompt)
+            ratios.append(disk / ttft(llm, last_prompt))  # the device holds it now
+    if reply != turns[-1][1]:
+        raise SystemExit("the restarted engine's reply differs: not exact")
+    return turns, cached, disk_bytes(kv), statistics.median(ratios)
+
+
+def main() -> int:
+    root = tempfile.mkdtemp(prefix="kvdisk-hybrid-bench-")
+    model = str(build_tiny_model(os.path.join(root, "gemma3"), arch="gemma3"))
+    with engine(model, None) as llm:
+        warm = conversation(llm, None)
+        warm_restart = generate(llm, warm[-1][0], max_tokens=REPLY_TOKENS)[1]
+    rows = {}
+    for hma in (True, False):
+        turns, cached_restart, nbytes, slower = run_disk(model, os.path.join(root, f"kv-{hma}"),
+                                                         hma)
+        if [t[1] for t in turns] != [t[1] for t in warm]:
+            raise SystemExit(f"hybrid manager {'on' if hma else 'off'}: replies differ from warm")
+        cached = sum(t[2] for t in turns)
+        rows[hma] = (cached, cached_restart, nbytes, slower)
+    warm_cached = sum(t[2] for t in warm)
+    covered = len(warm[-1][0]) // 128 * 128
+    print(f"tiny Gemma 3, window {GEMMA3_WINDOW}, {TURNS} turns of +{USER_TOKENS} user "
+          f"+{REPLY_TOKENS} reply tokens, last prompt {len(warm[-1][0])} tokens")
+    print(f"warm (vLLM prefix cache): {warm_cached} cached tokens over the turns, "
+          f"{warm_restart} on the last turn replayed")
+    for hma, (cached, restart, nbytes, slower) in rows.items():
+        print(f"disk, hybrid manager {'on ' if hma else 'off'}: cached/warm {cached / warm_cached:.2f} "
+              f"overall, {restart / warm_restart:.2f} on the first turn after a restart; "
+              f"{nbytes} bytes on disk, {nbytes / max(1, restart):.0f} bytes per cached token; "
+              f"TTFT disk restore / device hit {slower:.2f}")
+    on, off = rows[True][2] / max(1, rows[True][1]), rows[False][2] / max(1, rows[False][1])
+    print(f"disk bytes per cached token, window groups at window length / every layer at full "
+          f"length: {on / off:.2f} (1 of 3 layers is full attention: {1 / 3:.2f} plus a "
+          f"window per checkpoint; prompt covered {covered} tokens)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Hybrid models on a real engine with vLLM's hybrid KV cache manager on: a sliding-window
+model restores exactly (after a restart, through a delta chain, from a file used partly);
+a Gated-DeltaNet model is refused at start-up, never served wrong."""
+
+import glob
+import os
+
+import pytest
+from engine import engine, events, generate, random_prompt
+
+from vllm_kvdisk.core.format import GroupKind
+from vllm_kvdisk.storage.fileread import read_meta
+
+pytestmark = pytest.mark.engine
+
+BLOCK, WINDOW = 128, 256  # the tiny Gemma 3 on this CPU build
+
+
+def reset(llm) -> None:
+    """Empty the device prefix cache. vLLM refuses while a finished request's blocks wait
+    for their pages' copy, which the next engine step gives back: a one-token request
+    (below any checkpoint) steps the engine."""
+    for _ in range(20):
+        if llm.reset_prefix_cache() is not False:
+            return
+        generate(llm, [7, 8, 9], max_tokens=1)
+    raise AssertionError("the device prefix cache could not be reset")
+
+
+def files(kv: str) -> dict[int, object]:
+    """Every checkpoint on disk by its token count: its metadata."""
+    out = {}
+    for path in glob.glob(os.path.join(kv, "*", "*.kv")):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            meta = read_meta(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        out[meta.header.tokens] = meta
+    return out
+
+
+def test_sliding_window_model_restores_exactly(gemma3_model, tmp_path):
+    kv, trace = str(tmp_path / "kv"), str(tmp_path / "trace.txt")
+    a = random_prompt(1500, seed=1)
+    b = a + random_prompt(200, seed=2)  # the next turn: a delta on a's checkpoint
+    d = b[:1600] + random_prompt(300, seed=3)  # leaves b's file at 1600: 1536 usable
+    e = a[:1000] + random_prompt(500, seed=4)  # leaves a's file far from its end
+    prompts = (a, b, d, e)
+    with engine(gemma3_model, None, prefix_caching=False) as llm:
+        groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+        reference = [generate(llm, p, max_tokens=24)[0] for p in prompts]
+    assert [type(g.kv_cache_spec).__name__ for g in groups] == [
+        "SlidingWindowSpec", "SlidingWindowSpec", "FullAttentionSpec"]  # HMA on
+    with engine(gemma3_model, kv, trace=trace) as llm:
+        assert generate(llm, a, max_tokens=24) == (reference[0], 0)
+        reset(llm)
+        out, cached = generate(llm, a, max_tokens=24)  # from disk, in the same engine
+        assert (out, cached) == (reference[0], 1408)
+        assert generate(llm, b, max_tokens=24)[0] == reference[1]
+    on_disk = files(kv)
+    assert sorted(on_disk) == [1408, 1664]
+    root, delta = on_disk[1408].payload, on_disk[1664].payload
+    # Window groups hold the window before each file's end (2 blocks), the full group
+    # the blocks the file owns: the delta stores 2 blocks of every group, not 13.
+    assert [(g.kind, g.first_block, g.num_blocks) for g in root.groups] == [
+        (GroupKind.WINDOW, 9, 2), (GroupKind.WINDOW, 9, 2), (GroupKind.FULL, 0, 11)]
+    assert [(g.kind, g.first_block, g.num_blocks) for g in delta.groups] == [
+        (GroupKind.WINDOW, 11, 2), (GroupKind.WINDOW, 11, 2), (GroupKind.FULL, 11, 2)]
+    assert delta.parent_sha1 is not None
+    with engine(gemma3_model, kv, trace=trace) as llm:  # restarted: the disk only
+        results = []
+        for p in (b, d, e):
+            reset(llm)  # b and d share a prefix the device would otherwise hold
+            results.append(generate(llm, p, max_tokens=24))
+    assert [out for out, _ in results] == reference[1:]
+    # b: the chain of both files; d: b's file used partly, its window from both files;
+    # e: a's file left at 896, whose window is not on disk: recomputed, with the reason.
+    assert [cached for _, cached in results] == [1664, 1536, 0]
+    assert any("sliding window not stored" in ev.line for ev in events(trace, "miss"))
+    assert len(set(reference[0])) > 4  # the model is not stuck on one token
+
+
+def test_window_pages_restored_are_byte_identical(gemma3_model, tmp_path):
+    """Every page a restore writes into a window or full group's blocks equals the page the
+    engine computed for the same tokens (the cache is filled with garbage in between, so
+    only the restore can have put them back)."""
+    import vllm_kvdisk.connector.scheduler as sched_mod
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    prompt = random_prompt(1500, seed=5)
+    tables = []  # each finished request's block ids, per group
+    finished = sched_mod.SchedulerSide._finished
+
+    def spy(self, request, group_ids):
+        if request.prompt_token_ids == prompt:  # not the requests that step the engine
+            tables.append([list(ids) for ids in group_ids])
+        return finished(self, request, group_ids)
+
+    def pages(table):
+        """Layers in file order (window groups 0, 1 of two layers, the full group): the
+        pages a hit at 1408 needs, window 1153.. (blocks 9, 10), full blocks 0..10."""
+        host = get_kv_transfer_group()._worker.mover._host
+        want = [table[layer // 2][9:11] if layer < 4 else table[2][:11] for layer in range(6)]
+        return [host[layer][ids].tobytes() for layer, ids in enumerate(want)]
+
+    sched_mod.SchedulerSide._finished = spy
+    try:
+        with engine(gemma3_model, str(tmp_path / "kv")) as llm:
+            generate(llm, prompt, max_tokens=1)
+            computed = pages(tables[0])
+            reset(llm)
+            for layer in get_kv_transfer_group()._worker.mover._host:
+                layer[:] = 0x5A  # every block of every layer (the groups alias one buffer)
+            generate(llm, prompt, max_tokens=1)  # restored from disk
+            restored = pages(tables[1])
+    finally:
+        sched_mod.SchedulerSide._finished = finished
+    assert len(tables) == 2
+    assert restored == computed
+
+
+def test_gated_deltanet_model_is_refused_at_startup(qwen3next_model, tmp_path):
+    from vllm_kvdisk.core.compat import UnsupportedConfig
+
+    with pytest.raises(UnsupportedConfig, match="Mamba / linear-attention"):
+        with engine(qwen3next_model, str(tmp_path / "kv"), llm_args={"dtype": "bfloat16"}):
+            pass
+
+
+def test_a_corrupt_window_page_recomputes_the_request(gemma3_model, tmp_path):
+    """A load that fails on a hybrid model is reported per request (vLLM stops on block-level
+    load errors with several KV cache groups): the file is quarantined, the request is
+    recomputed, the answer is the same, and the engine keeps serving."""
+    kv, trace = str(tmp_path / "kv"), str(tmp_path / "trace.txt")
+    prompt = random_prompt(1500, seed=6)
+    with engine(gemma3_model, kv, trace=trace) as llm:
+        reference, _ = generate(llm, prompt, max_tokens=24)
+    (path,) = glob.glob(os.path.join(kv, "*", "*.kv"))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        meta = read_meta(fd, os.fstat(fd).st_size)
+        at = meta.offsets.layer(0) + 100  # a page of the first window layer
+        os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0xFF]), at)
+    finally:
+        os.close(fd)
+    with engine(gemma3_model, kv, trace=trace) as llm:
+        out, _ = generate(llm, prompt, max_tokens=24)
+        again, cached = generate(llm, prompt, max_tokens=24)  # the device cache now
+    assert out == reference == again and cached == 1408
+    assert [n for n in os.listdir(os.path.join(kv, "quarantine")) if n.endswith(".kv")]
+    assert events(trace, "quarantined")
+
+
+def test_chunked_prefill_saves_windows_before_vllm_frees_them(gemma3_model, tmp_path):
+    """Prefill in 512-token chunks, a continued checkpoint at each chunk's end (384 after
+    the first, 896 after the second): vLLM frees the first blocks of a window in the very
+    next step, so their pages are copied (window pages first) before that step writes
+    anything; every checkpoint restores exactly."""
+    kv = str(tmp_path / "kv")
+    prompt = random_prompt(1500, seed=7)
+    chunked = {"max_num_batched_tokens": 512, "enable_chunked_prefill": True}
+    with engine(gemma3_model, None, prefix_caching=False, llm_args=chunked) as llm:
+        reference = generate(llm, prompt, max_tokens=24)[0]
+        shorter = [generate(llm, prompt[:n], max_tokens=8)[0] for n in (700, 1000)]
+    every = {"kv_cache_continued_interval_tokens": 256}
+    with engine(gemma3_model, kv, llm_args=chunked, **every) as llm:
+        assert generate(llm, prompt, max_tokens=24)[0] == reference
+    assert sorted(files(kv)) == [384, 896, 1408]
+    with engine(gemma3_model, kv, llm_args=chunked, **every) as llm:
+        results = []
+        # 700 leaves the 896 file at 640, where its window is not stored: back to 384
+        for n in (700, 1000):
+            reset(llm)
+            results.append(generate(llm, prompt[:n], max_tokens=8))
+        reset(llm)
+        out, cached = generate(llm, prompt, max_tokens=24)
+    assert [r[0] for r in results] == shorter and out == reference
+    assert [r[1] for r in results] == [384, 896] and cached == 1408
