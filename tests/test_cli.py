@@ -130,7 +130,7 @@ def test_inspect_shows_the_kv_cache_groups_of_a_hybrid_file(tmp_path, capsys):
     from synth import LAYOUT, planner
 
     from vllm_kvdisk.core.format import Group, GroupKind, Reason
-    from vllm_kvdisk.core.planner import encode_plan
+    from vllm_kvdisk.core.encode import encode_plan
 
     store = Store(str(tmp_path / "kv"), space_bytes=1 << 30)
     ns = store.ensure_namespace(FP)

@@ -45,7 +45,7 @@ def test_tool_entries_are_bounded_and_must_be_in_the_checkpoint():
 from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from vllm_kvdisk.core.format import encode_tool_map  # noqa: E402
+from vllm_kvdisk.core.toolmap import encode_tool_map  # noqa: E402
 
 # Any code point, lone surrogates included: "\ud800" is valid JSON and reaches the engine.
 ANY_TEXT = st.text(st.characters(exclude_categories=()), max_size=12)

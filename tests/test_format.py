@@ -9,22 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_kvdisk.storage.fileread import read_layer_into, read_meta, read_text, read_tokens, read_tool_map
-from vllm_kvdisk.core.format import (
-    FLAG_DELTA,
-    FLAG_TOOL_MAP,
-    PAGE_ALIGN,
-    FormatError,
-    Group,
-    GroupKind,
-    PageLayout,
-    Payload,
-    Reason,
-    UnsupportedFile,
-    decode_tool_map,
-    encode_checkpoint,
-    encode_tool_map,
-)
+from vllm_kvdisk.storage.fileread import (read_layer_into, read_meta, read_text, read_tokens,
+                                          read_tool_map)
+from vllm_kvdisk.core.format import (FLAG_DELTA, FLAG_TOOL_MAP, PAGE_ALIGN, FormatError, Group,
+                                     GroupKind, PageLayout, Payload, Reason, UnsupportedFile)
+from vllm_kvdisk.core.encode import encode_checkpoint
+from vllm_kvdisk.core.toolmap import decode_tool_map, encode_tool_map
 
 GOLDEN = Path(__file__).parent / "golden"
 LAYOUT = PageLayout("cpu:LBHNC", 4, 2, (1, 4, 2), "float32")
@@ -277,7 +267,7 @@ def test_summary_reads_the_walk_key_in_at_most_two_reads(tmp_path, monkeypatch):
     """A start-up scan indexes a file from its first page, plus one read of the payload
     header, checksum table and token ids when the text is longer than a page."""
     from vllm_kvdisk.storage import fileread as fmt
-    from vllm_kvdisk.core.format import summary_of
+    from vllm_kvdisk.core.encode import summary_of
     from vllm_kvdisk.core.entry import head_digest
 
     layout = PageLayout("cpu:LBHNC", 4, 2, (1, 4, 2), "float32")
@@ -323,7 +313,7 @@ def test_a_huge_or_sparse_tool_map_is_rejected_before_it_is_read(tmp_path, monke
 def test_summary_of_a_delta_whose_first_block_is_past_the_first_page(tmp_path):
     """A short text but a deep parent: the head is read on its own, the digest is kept."""
     from vllm_kvdisk.storage.fileread import read_summary
-    from vllm_kvdisk.core.format import summary_of
+    from vllm_kvdisk.core.encode import summary_of
 
     layout = PageLayout("cpu:LBHNC", 16, 1, (1, 16, 1), "float32")
     ids = np.arange(2048, dtype="<u4")  # ids of a 2048-token prefix: 8 KiB, past 4 KiB
@@ -343,7 +333,7 @@ def test_summary_of_a_long_root_reads_its_first_block_not_every_id(tmp_path, mon
     """The index needs the first owned block's ids (the head); a scan of a 131k-token
     root past the first page used to read all 512 KiB of its ids."""
     from vllm_kvdisk.storage.fileread import read_summary
-    from vllm_kvdisk.core.format import summary_of
+    from vllm_kvdisk.core.encode import summary_of
 
     layout = PageLayout("cpu:LBHNC", 16, 1, (1, 16, 1), "float32")
     ids = np.arange(131072, dtype="<u4")

@@ -32,15 +32,8 @@ from synth import FP, make, planner, prompt, save
 from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.ops.cli import main
 from vllm_kvdisk.storage.fileread import read_meta, read_summary
-from vllm_kvdisk.core.format import (
-    HEADER,
-    PAYLOAD_FIXED,
-    FormatError,
-    PageLayout,
-    Payload,
-    Reason,
-    encode_checkpoint,
-)
+from vllm_kvdisk.core.format import HEADER, PAYLOAD_FIXED, FormatError, PageLayout, Payload, Reason
+from vllm_kvdisk.core.encode import encode_checkpoint
 from vllm_kvdisk.core.entry import Entry
 from vllm_kvdisk.core.index import Index
 from vllm_kvdisk.storage.store import Store

@@ -43,7 +43,7 @@ from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.connector.guard import guarded
 from vllm_kvdisk.ops.metrics import KVDiskStats, snapshot
 from vllm_kvdisk.ops.recorder import StatsRecorder
-from vllm_kvdisk.core.planner import encode_plan
+from vllm_kvdisk.core.encode import encode_plan
 from vllm_kvdisk.connector.restore import Restorer
 from vllm_kvdisk.connector.staging import StagingPool
 from vllm_kvdisk.storage.store import Store

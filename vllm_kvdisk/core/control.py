@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_kvdisk.core.format import MAX_TOOL_ID_BYTES, MAX_TOOL_TEXT_BYTES
+from vllm_kvdisk.core.toolmap import MAX_TOOL_ID_BYTES, MAX_TOOL_TEXT_BYTES
 from vllm_kvdisk.core.logs import get_logger
 
 log = get_logger(__name__)

@@ -15,7 +15,8 @@ Invariants:
   the parent. Every group's range is checked against that rule when a file is read.
 * No pickle, no eval: only ``struct`` and raw bytes.
 
-Pure: standard library, numpy-free, xxhash for checksums.
+Pure: standard library only. Writing a file is ``encode``; reading one is
+``storage.fileread``; the tool-map section is ``toolmap``.
 """
 
 from __future__ import annotations
@@ -25,14 +26,10 @@ from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Sequence
 
-import xxhash
-
 FORMAT_VERSION = 2
 MAGIC = b"KVC"
 PAYLOAD_MAGIC = b"KVDP"
 PAYLOAD_VERSION = 2
-KTM_MAGIC = b"KTM"
-KTM_VERSION = 1
 PAGE_ALIGN = 4096
 
 MAX_TOKENS = 1 << 24
@@ -41,10 +38,6 @@ MAX_LAYERS = 1024
 MAX_PAGE_BYTES = 1 << 28
 MAX_PAGE_DIMS = 6
 MAX_GROUPS = 64
-MAX_KTM_ENTRIES = 1 << 20
-MAX_TOOL_ID_BYTES = 1024
-MAX_TOOL_TEXT_BYTES = 1 << 20
-MAX_KTM_BYTES = 64 << 20  # a whole tool map section, checked before it is read
 
 FLAG_TOOL_MAP = 1 << 0
 FLAG_DELTA = 1 << 1
@@ -61,8 +54,6 @@ PAYLOAD_FIXED = struct.Struct("<4sHH32s20sIIIIIQHHBBH6I24sQQ")
 GROUP = struct.Struct("<BBHIII")
 GROUP_COUNT_AT = 94  # u16 inside PAYLOAD_FIXED
 CHECKSUM = struct.Struct("<Q")
-KTM_HEAD = struct.Struct("<3sBI")
-KTM_ENTRY = struct.Struct("<II")
 HEADER_FIELD_HITS = 12
 HEADER_FIELD_LAST_USED = 32
 if HEADER.size != 48 or PAYLOAD_FIXED.size != 160 or GROUP.size != 16:  # the spec pins both sizes
@@ -282,7 +273,7 @@ def compute_offsets(text_len: int, tokens: int, layout: PageLayout,
     return Offsets(text, payload, tokens_at, pages, tuple(at), at[-1], at[-1] + ktm_len)
 
 
-def _pack_payload_fixed(p: Payload) -> bytes:
+def pack_payload_fixed(p: Payload) -> bytes:
     lay = p.layout
     shape = tuple(lay.page_shape) + (0,) * (MAX_PAGE_DIMS - len(lay.page_shape))
     parent = bytes.fromhex(p.parent_sha1) if p.parent_sha1 else bytes(20)
@@ -365,108 +356,6 @@ def unpack_groups(buf: bytes, payload: Payload, tokens: int) -> Payload:
     return replace(payload, groups=tuple(groups))
 
 
-def encode_tool_map(entries: Sequence[tuple[str, str]]) -> bytes:
-    """The seed's KTM section: magic, version, count, then (id len, text len, id, text)."""
-    if len(entries) > MAX_KTM_ENTRIES:
-        raise FormatError(f"{len(entries)} tool-map entries > {MAX_KTM_ENTRIES}")
-    parts = [KTM_HEAD.pack(KTM_MAGIC, KTM_VERSION, len(entries))]
-    for tool_id, text in entries:
-        raw_id, raw_text = tool_id.encode(), text.encode()
-        if not 1 <= len(raw_id) <= MAX_TOOL_ID_BYTES or len(raw_text) > MAX_TOOL_TEXT_BYTES:
-            raise FormatError(f"tool-map entry {tool_id[:40]!r} exceeds the size limits")
-        parts += [KTM_ENTRY.pack(len(raw_id), len(raw_text)), raw_id, raw_text]
-    return b"".join(parts)
-
-
-def decode_tool_map(buf: bytes) -> list[tuple[str, str]]:
-    if len(buf) < KTM_HEAD.size:
-        raise FormatError("truncated tool map")
-    magic, version, count = KTM_HEAD.unpack_from(buf)
-    if magic != KTM_MAGIC or version != KTM_VERSION:
-        raise FormatError(f"bad tool map magic/version {magic!r}/{version}")
-    if count > MAX_KTM_ENTRIES:
-        raise FormatError(f"tool map claims {count} entries > {MAX_KTM_ENTRIES}")
-    pos, out = KTM_HEAD.size, []
-    for _ in range(count):
-        if pos + KTM_ENTRY.size > len(buf):
-            raise FormatError("truncated tool map entry")
-        id_len, text_len = KTM_ENTRY.unpack_from(buf, pos)
-        pos += KTM_ENTRY.size
-        if not 1 <= id_len <= MAX_TOOL_ID_BYTES or text_len > MAX_TOOL_TEXT_BYTES:
-            raise FormatError("tool map entry exceeds the size limits")
-        if pos + id_len + text_len > len(buf):
-            raise FormatError("truncated tool map entry")
-        try:
-            tool_id = buf[pos:pos + id_len].decode()
-            text = buf[pos + id_len:pos + id_len + text_len].decode()
-        except UnicodeDecodeError:
-            raise FormatError("tool map entry is not UTF-8") from None
-        out.append((tool_id, text))
-        pos += id_len + text_len
-    if pos != len(buf):
-        raise FormatError(f"{len(buf) - pos} trailing bytes after the tool map")
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class Encoded:
-    """A checkpoint ready for ``writev``: buffers in file order and its final size."""
-
-    buffers: list[bytes | memoryview]
-    size: int
-    header: Header
-    payload: Payload
-    offsets: Offsets
-    head: int  # xxh3-64 of the first owned block's token ids (the index's walk key)
-
-
-def encode_checkpoint(*, text: bytes, tokens: bytes, layers: Sequence[bytes | memoryview],
-                      payload: Payload, reason: Reason, kv_dtype: str, context_size: int,
-                      now: int, tool_map: Sequence[tuple[str, str]] = ()) -> Encoded:
-    """Lay out one checkpoint. ``tokens`` is the u32 LE token ids of the whole prefix."""
-    lay = payload.layout
-    lay.validate()
-    n_tokens = len(tokens) // 4
-    if len(tokens) % 4 or not 1 <= n_tokens <= MAX_TOKENS or len(text) > MAX_TEXT_BYTES:
-        raise FormatError("token ids or text outside the limits")
-    if len(layers) != lay.num_layers:
-        raise FormatError(f"{len(layers)} layer buffers for {lay.num_layers} layers")
-    ktm = encode_tool_map(tool_map) if tool_map else b""
-    if len(ktm) > MAX_KTM_BYTES:
-        raise FormatError(f"tool map of {len(ktm)} bytes > {MAX_KTM_BYTES}")
-    groups = payload.groups
-    if len(groups) == 1 and groups[0].layers == 0:
-        groups = (replace(groups[0], layers=lay.num_layers),)
-    if not 1 <= len(groups) <= MAX_GROUPS or sum(g.layers for g in groups) != lay.num_layers:
-        raise FormatError(f"{len(groups)} groups of {[g.layers for g in groups]} layers "
-                          f"for {lay.num_layers} layers")
-    groups = tuple(g.placed(payload.parent_tokens, n_tokens, lay.block_size) for g in groups)
-    payload = replace(payload, groups=groups)
-    offsets = compute_offsets(len(text), n_tokens, lay, payload.layer_blocks(), len(ktm),
-                              len(groups))
-    for i, buf in enumerate(layers):
-        if memoryview(buf).nbytes != offsets.layer_size(i):
-            raise FormatError(f"layer {i} buffer of {memoryview(buf).nbytes} bytes, "
-                              f"expected {offsets.layer_size(i)}")
-    payload = replace(payload, ktm_checksum=xxhash.xxh3_64_intdigest(ktm) if ktm else 0)
-    fixed = _pack_payload_fixed(payload) + pack_groups(groups)
-    sums = [xxhash.xxh3_64_intdigest(fixed + tokens)]
-    sums += [xxhash.xxh3_64_intdigest(buf) for buf in layers]
-    payload = replace(payload, checksums=tuple(sums))
-    flags = (FLAG_TOOL_MAP if ktm else 0) | (FLAG_DELTA if payload.parent_sha1 else 0)
-    header = Header(dtype_code(kv_dtype), reason, flags, n_tokens, 0, context_size, now, now,
-                    offsets.ktm - offsets.payload)
-    pad = bytes(offsets.pages - offsets.tokens - len(tokens))
-    buffers: list[bytes | memoryview] = [header.pack(), TEXT_LEN.pack(len(text)), text, fixed,
-                                         b"".join(CHECKSUM.pack(s) for s in sums), tokens, pad]
-    buffers += list(layers)
-    if ktm:
-        buffers.append(ktm)
-    first = payload.parent_tokens
-    head = xxhash.xxh3_64_intdigest(tokens[4 * first:4 * (first + lay.block_size)])
-    return Encoded(buffers, offsets.total, header, payload, offsets, head)
-
-
 @dataclass(frozen=True, slots=True)
 class Summary:
     """What an index needs from a file, read from its first bytes only (start-up scans)."""
@@ -477,10 +366,3 @@ class Summary:
     token_digest: int
     head: int  # xxh3-64 of the u32 LE ids of the first owned block
     ids_at: int  # file offset of the token ids
-
-
-def summary_of(encoded: Encoded) -> Summary:
-    """The summary of a checkpoint just encoded (what a scan would read back)."""
-    p = encoded.payload
-    return Summary(encoded.header, p.parent_sha1, p.parent_tokens, p.token_digest,
-                   encoded.head, encoded.offsets.tokens)

@@ -15,8 +15,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from vllm_kvdisk.core.format import (FULL_ONLY, Encoded, Group, PageLayout, Payload, Reason,
-                                     encode_checkpoint)
+from vllm_kvdisk.core.format import Reason
 from vllm_kvdisk.core.entry import Entry, head_digest
 from vllm_kvdisk.core.index import IdsReader, Index, Lookup, Miss
 from vllm_kvdisk.core.keys import as_token_array, token_digest
@@ -157,22 +156,3 @@ def trim_to_windows(lookup: Lookup, local: int, windows: Sequence[int],
         if all(window_sources(files, hit, local, w, bs) is not None for w in windows):
             return part
     return lookup.cut(0, Miss.WINDOW_NOT_STORED)
-
-
-def encode_plan(plan: SavePlan, *, text: bytes, ids: np.ndarray | bytes, layers: Sequence,
-                layout: PageLayout, fingerprint: bytes, kv_dtype: str, context_size: int,
-                now: int, tool_map: Sequence[tuple[str, str]] = (),
-                groups: Sequence[Group] = FULL_ONLY) -> Encoded:
-    """Encode the file of ``plan``; ``layers`` hold, per layer in group order, the pages of
-    the blocks its group stores (``Group.placed``) and ``ids`` the token ids of (at least)
-    the whole prefix."""
-    bs = layout.block_size
-    if isinstance(ids, (bytes, bytearray, memoryview)):
-        ids = np.frombuffer(ids, dtype="<u4")
-    tokens = np.ascontiguousarray(ids[: plan.tokens], dtype="<u4")
-    payload = Payload(fingerprint, plan.parent, plan.parent_tokens, plan.parent_tokens // bs,
-                      (plan.tokens - plan.parent_tokens) // bs, layout, token_digest(tokens),
-                      groups=tuple(groups))
-    return encode_checkpoint(text=text, tokens=tokens.tobytes(), layers=layers, payload=payload,
-                             reason=plan.reason, kv_dtype=kv_dtype, context_size=context_size,
-                             now=now, tool_map=tool_map)

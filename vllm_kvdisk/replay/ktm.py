@@ -4,7 +4,7 @@ exact text) that the connector writes into a ``.kv`` file whose text contains th
 Not the tool-call log (:mod:`vllm_kvdisk.replay.log`, ``.ktl`` files): a KTM section holds
 no token ids (they are recovered from the file's stored ids) and exists only once a
 checkpoint past the call was written. Read-only; unreadable files are skipped.
-The codec is :func:`vllm_kvdisk.core.format.encode_tool_map` / ``decode_tool_map``.
+The codec is :func:`vllm_kvdisk.core.toolmap.encode_tool_map` / ``decode_tool_map``.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ import threading
 from typing import Callable, Iterable
 
 from vllm_kvdisk.core.eviction import plan_eviction
-from vllm_kvdisk.core.format import Encoded, FormatError, summary_of
+from vllm_kvdisk.core.format import FormatError
+from vllm_kvdisk.core.encode import Encoded, summary_of
 from vllm_kvdisk.core.entry import Entry, Key, entry_of
 from vllm_kvdisk.core.index import Index
 from vllm_kvdisk.storage import fsdir

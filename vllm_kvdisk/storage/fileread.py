@@ -20,33 +20,13 @@ from typing import Callable, Sequence
 
 import xxhash
 
-from vllm_kvdisk.core.format import (
-    CHECKSUM,
-    FLAG_DELTA,
-    GROUP,
-    GROUP_COUNT_AT,
-    MAX_GROUPS,
-    FLAG_TOOL_MAP,
-    HEADER,
-    MAX_KTM_BYTES,
-    MAX_LAYERS,
-    MAX_TEXT_BYTES,
-    PAGE_ALIGN,
-    PAYLOAD_FIXED,
-    PAYLOAD_MAGIC,
-    PAYLOAD_VERSION,
-    TEXT_LEN,
-    FormatError,
-    Header,
-    Offsets,
-    Payload,
-    Summary,
-    UnsupportedFile,
-    compute_offsets,
-    decode_tool_map,
-    unpack_groups,
-    unpack_payload_fixed,
-)
+from vllm_kvdisk.core.format import (CHECKSUM, FLAG_DELTA, GROUP, GROUP_COUNT_AT, MAX_GROUPS,
+                                     FLAG_TOOL_MAP, HEADER, MAX_LAYERS, MAX_TEXT_BYTES, PAGE_ALIGN,
+                                     PAYLOAD_FIXED, PAYLOAD_MAGIC, PAYLOAD_VERSION, TEXT_LEN,
+                                     FormatError, Header, Offsets, Payload, Summary,
+                                     UnsupportedFile, compute_offsets, unpack_groups,
+                                     unpack_payload_fixed)
+from vllm_kvdisk.core.toolmap import MAX_KTM_BYTES, decode_tool_map
 from vllm_kvdisk.storage.fsdir import IOV_MAX
 
 

@@ -50,8 +50,8 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from vllm_kvdisk.core.config import KVDiskConfig
-from vllm_kvdisk.core.format import (HEADER_FIELD_HITS, HEADER_FIELD_LAST_USED, Encoded,
-                                     FormatError)
+from vllm_kvdisk.core.format import HEADER_FIELD_HITS, HEADER_FIELD_LAST_USED, FormatError
+from vllm_kvdisk.core.encode import Encoded
 from vllm_kvdisk.core.entry import Entry, Key
 from vllm_kvdisk.core.index import Index
 from vllm_kvdisk.core.keys import Fingerprint
