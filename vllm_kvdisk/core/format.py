@@ -1,4 +1,4 @@
-"""The ``.kv`` checkpoint file codec (spec: docs/FORMAT.md).
+"""The ``.kv`` checkpoint file: its structures, limits and their checks (spec: docs/FORMAT.md).
 
 Invariants:
 * Every integer is little-endian; every length is checked against a stated maximum and
