@@ -215,7 +215,7 @@ def main() -> None:
         pool = ThreadPoolExecutor(args.threads)
 
         def load(which: LoadJob = job) -> None:
-            if worker._load(which):
+            if worker.loads.load(which):
                 raise SystemExit("restore failed")
 
         # Rounds interleave the restore and both baselines so drift hits all alike.

@@ -38,7 +38,7 @@ def save(w: WorkerSide, blocks: list[int]) -> str:
 
 
 def load(w: WorkerSide, sha1: str, tokens: int, targets: list[int]) -> list[int]:
-    return w._load(LoadJob("r", Scope(), [LoadFile(sha1, 0, tokens, tokens)], 0, targets,
+    return w.loads.load(LoadJob("r", Scope(), [LoadFile(sha1, 0, tokens, tokens)], 0, targets,
                            IDS[:tokens].tobytes()))
 
 

@@ -272,7 +272,7 @@ def test_a_special_file_in_a_chain_being_restored_is_recomputed_not_quarantined(
         targets = list(range(20, 28))
         tokens = 8 * workers.BLOCK
         job = workers.load_job(ids, [LoadFile(sha1, 0, tokens, tokens)], 0, targets)
-        assert w._load(job) == targets
+        assert w.loads.load(job) == targets
         assert os.path.lexists(path) and w.store.quarantined_files() == []
     finally:
         w.shutdown()

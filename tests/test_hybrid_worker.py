@@ -81,8 +81,8 @@ def test_save_copies_window_pages_first_and_restores_each_group(hybrid):
                     0, new_full)
     load.groups = [new_window, new_full]
     w2.start_load_kv(StepMeta(loads=[load]))
-    w2._loads["r"][0].result(timeout=30)
-    assert w2._loads["r"][0].result() == []  # nothing to recompute
+    w2.loads.pending["r"][0].result(timeout=30)
+    assert w2.loads.pending["r"][0].result() == []  # nothing to recompute
     for name in ("w0", "w1"):
         assert torch.equal(caches2[name][[31, 32, 33]], caches[name][[17, 18, 19]])
     assert torch.equal(caches2["f0"][new_full], caches["f0"][full_table])
@@ -98,7 +98,7 @@ def test_a_failed_load_on_a_hybrid_model_is_reported_per_request(hybrid):
                     list(range(1, 11)))
     load.groups = [[0] * 7 + [31, 32, 33], list(range(1, 11))]
     w.start_load_kv(StepMeta(loads=[load]))
-    w._loads["r"][0].result(timeout=30)
+    w.loads.pending["r"][0].result(timeout=30)
     sending, recving = w.get_finished(set())
     assert recving == {"r"}
     assert w.take_failed_recving() == {"r"}  # not block ids: vLLM cannot map them back
@@ -114,7 +114,7 @@ def test_one_group_unchanged(tmp_path):
         ids = np.arange(64, dtype="<u4")
         load = load_job(ids, [LoadFile("0" * 40, 0, 64, 64)], 0, [1, 2, 3, 4])
         w.start_load_kv(StepMeta(loads=[load]))
-        w._loads["r"][0].result(timeout=30)
+        w.loads.pending["r"][0].result(timeout=30)
         w.get_finished(set())
         assert w.take_failed_recving() == set()
         assert w.get_block_ids_with_load_errors() == {1, 2, 3, 4}

@@ -54,7 +54,7 @@ def test_a_chain_longer_than_the_open_file_limit_restores_completely(tmp_path):
         in_use = len(os.listdir("/proc/self/fd"))
         resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 400, hard))
         try:
-            out = w._load(LoadJob("r", Scope(), chain, 0, targets, ids.tobytes()))
+            out = w.loads.load(LoadJob("r", Scope(), chain, 0, targets, ids.tobytes()))
         finally:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         assert out == []
@@ -86,7 +86,7 @@ def test_unused_pages_are_checksummed_through_a_bounded_scratch(tmp_path, monkey
         asked.clear()
         job = LoadJob("r", Scope(), [LoadFile(sha1, 0, 2 * BLOCK, 12 * BLOCK)], 0, [20, 21],
                       ids[:2 * BLOCK].tobytes())
-        assert w._load(job) == []
+        assert w.loads.load(job) == []
         assert asked and max(asked) <= 2 * page  # the used pages, or one page of scratch
         for t in layers:
             assert torch.equal(t[[20, 21]], t[[0, 1]])
@@ -94,7 +94,7 @@ def test_unused_pages_are_checksummed_through_a_bounded_scratch(tmp_path, monkey
         data = bytearray(path.read_bytes())
         data[-page // 2] ^= 0xFF  # inside the last (unused) page of the last layer
         path.write_bytes(bytes(data))
-        assert w._load(job) == [20, 21]  # caught: the blocks are recomputed
+        assert w.loads.load(job) == [20, 21]  # caught: the blocks are recomputed
         assert not path.exists()  # proven corrupt: quarantined
     finally:
         w.shutdown()

@@ -84,8 +84,7 @@ def test_wait_for_save_returns_while_the_copy_runs_and_blocks_wait_for_it(side):
     assert w.get_finished(set()) == ({"r"}, None)  # now they go back, once
     assert w.get_finished(set()) == (None, None)
     # The file holds the pages as they were when the step ended.
-    fut = w._load_pool.submit(w._load, load_job(save.plan.sha1, 3, [20, 21, 22]))
-    assert fut.result(WAIT) == []
+    assert w.loads.load(load_job(save.plan.sha1, 3, [20, 21, 22])) == []
     for t, page in zip(layers, want):
         assert torch.equal(t[[20, 21, 22]], page)
 
@@ -104,8 +103,7 @@ def test_a_preempted_requests_copy_completes_before_the_next_forward(side):
     for t in layers:
         t[[4, 5]] = 0  # the next forward reuses the blocks
     w.drain()
-    fut = w._load_pool.submit(w._load, load_job(save.plan.sha1, 2, [10, 11]))
-    assert fut.result(WAIT) == []
+    assert w.loads.load(load_job(save.plan.sha1, 2, [10, 11])) == []
     for t, page in zip(layers, want):
         assert torch.equal(t[[10, 11]], page)
 
@@ -122,7 +120,7 @@ def test_a_slow_write_never_delays_a_load(side):
     w.wait_for_save(StepMeta(saves=[job("b", [6, 7], seed=4)]))
     assert gate.entered.wait(WAIT)  # the write is stuck
     w.start_load_kv(StepMeta(loads=[load_job(first.plan.sha1, 2, [12, 13])]))
-    fut, _ = w._loads["load"]
+    fut, _ = w.loads.pending["load"]
     try:
         assert fut.result(WAIT) == []  # restored while the write still waits
         assert gate.finished == 0

@@ -47,7 +47,7 @@ def save(w: WorkerSide, blocks: list[int], start: int = 0, parent: str | None = 
 
 
 def load(w, files, start_block, targets, ids=IDS):
-    return w._load(load_job(ids, files, start_block, targets))
+    return w.loads.load(load_job(ids, files, start_block, targets))
 
 
 def whole(sha1, start, end):
@@ -298,12 +298,12 @@ def test_every_tp_rank_restores_its_own_file_of_a_job_planned_from_rank_0s_index
         for w, layers, _ in ranks:
             job = LoadJob("r", Scope(), [LoadFile(sha1, 0, end, end, inode0)], 0, targets,
                           IDS[:end].tobytes(), indexed_ns=ns0)
-            assert w._load(job) == []
+            assert w.loads.load(job) == []
             for t in layers:
                 assert torch.equal(t[targets], t[src])
         replaced = LoadJob("r", Scope(), [LoadFile(sha1, 0, end, end, inode0 + 1)], 0,
                            targets, IDS[:end].tobytes(), indexed_ns=ns0)
-        assert ranks[0][0]._load(replaced) == targets
+        assert ranks[0][0].loads.load(replaced) == targets
     finally:
         for w, _, _ in ranks:
             w.shutdown()

@@ -4,7 +4,7 @@ Runs in each vLLM worker process; each method is the vLLM hook of the same name 
 connector facade delegates one line each). The engine step only enqueues work: a copy
 thread gathers a save's pages into host staging after the step (on a GPU, on a side stream
 behind an event recorded after the forward), a write pool encodes and writes them, and a
-load pool of its own reads files back, so a load never waits behind a write or an fsync.
+load pool of its own reads files back (``loading.Loads``), so a load never waits behind a write or an fsync.
 
 Invariants:
 * A load verifies every file before using it (``restore.Restorer``). A file proven corrupt
@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -35,16 +35,16 @@ import numpy as np
 from vllm_kvdisk.storage.budget import SaveSkipped
 from vllm_kvdisk.core.compat import Placement
 from vllm_kvdisk.core.config import KVDiskConfig
-from vllm_kvdisk.core.format import FormatError, GroupKind
+from vllm_kvdisk.core.format import GroupKind
 from vllm_kvdisk.core.entry import Entry
-from vllm_kvdisk.connector.jobs import LoadJob, SaveJob, Scope, StepMeta, WorkerReport
+from vllm_kvdisk.connector.jobs import SaveJob, Scope, StepMeta, WorkerReport
 from vllm_kvdisk.core.keys import Fingerprint, Namespaces
 from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.connector.guard import guarded
 from vllm_kvdisk.ops.metrics import KVDiskStats, snapshot
 from vllm_kvdisk.ops.recorder import StatsRecorder
 from vllm_kvdisk.core.encode import encode_plan
-from vllm_kvdisk.connector.restore import Restorer
+from vllm_kvdisk.connector.loading import Loads
 from vllm_kvdisk.connector.staging import StagingPool
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.ops.trace import Trace
@@ -53,7 +53,6 @@ from vllm_kvdisk.connector.transfer import PageMover, pinned_buffer, unique_laye
 log = get_logger(__name__)
 
 FINISHED_MEMORY_STEPS = 4  # finished ids are kept this many steps for a late save job
-IDLE_LOAD_WAIT_S = 0.005  # an empty step waits this long for a load to finish
 
 
 class WorkerSide:
@@ -67,7 +66,6 @@ class WorkerSide:
         # the step after the tokens past it are computed.
         self.groups = placement.groups
         self.hybrid = len(self.groups) > 1 or any(g.kind == GroupKind.WINDOW for g in self.groups)
-        self._failed_recving: set[str] = set()
         self._windows_copying = 0  # save copies whose window pages are not copied yet
         # Token counts are per engine: only its first worker counts them (bytes are per
         # rank, summed).
@@ -80,17 +78,11 @@ class WorkerSide:
         # Loads never wait behind a save's write or fsync: each has its own threads. One
         # copy thread takes page copies off the engine step, in order.
         self.pool = ThreadPoolExecutor(config.kv_disk_io_threads, thread_name_prefix="kvdisk-write")
-        self._load_pool = ThreadPoolExecutor(config.kv_disk_io_threads,
-                                             thread_name_prefix="kvdisk-load")
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvdisk-copy")
         self.staging = StagingPool(config.kv_disk_staging_mb * 1024 * 1024)
-        self._readers = ThreadPoolExecutor(config.kv_disk_io_threads, thread_name_prefix="kvdisk-read")
         self.mover: PageMover | None = None
-        self.restorer: Restorer | None = None
         self._lock = threading.Lock()
         self._report = WorkerReport()
-        self._loads: dict[str, tuple[Future, LoadJob]] = {}
-        self._load_errors: set[int] = set()
         self._held: set[str] = set()  # finished requests whose pages were copied out
         self._finished: deque[set[str]] = deque(maxlen=FINISHED_MEMORY_STEPS)
         self._inflight: dict[str, tuple[Future, SaveJob]] = {}  # sha1 -> (written?, job)
@@ -100,6 +92,11 @@ class WorkerSide:
         self.staging_peak = 0  # the most _staged has been (a gauge: how near the cap)
         self._staging_cap = config.kv_disk_staging_inflight_mb << 20
         self._step: tuple[int, float] = (0, 0.0)  # (tokens, start) of the step in flight
+        self.loads = Loads(store=self.store, stats=self.stats, trace=self.trace,
+                           namespaces=self.namespaces, block_size=block_size,
+                           io_threads=config.kv_disk_io_threads,
+                           counts_tokens=self._counts_tokens, by_request=self.hybrid,
+                           lock=self._lock, report=lambda: self._report, background=self.pool)
 
     # -- setup ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -118,8 +115,7 @@ class WorkerSide:
                                tp_size=place.shard.count)
         if self.mover.device.type == "cuda":
             self.staging.allocate = pinned_buffer  # device copies want page-locked memory
-        self.restorer = Restorer(self.store, self.mover, self.staging, self._readers,
-                                 self.block_size, self.groups)
+        self.loads.attach(self.mover, self.staging, self.groups)
         self.store.scan()
         self._shorten_gil_switch()
         log.info("kvdisk worker: %d layers, page %d bytes, %d checkpoint(s) on disk",
@@ -141,69 +137,10 @@ class WorkerSide:
             self._report.removed.append((entry.ns, entry.sha1))
         self.trace.evicted(entry.sha1, entry.tokens, entry.size)
 
-    # -- loads ------------------------------------------------------------------------
+    # -- loads (connector/loading.py) ---------------------------------------------------
     @guarded("start_load_kv", lambda: None)
     def start_load_kv(self, meta: StepMeta) -> None:
-        for job in meta.loads:
-            try:
-                self._loads[job.req_id] = (self._load_pool.submit(self._load, job), job)
-            except RuntimeError:  # shutting down: recompute
-                done: Future = Future()
-                done.set_result(list(job.block_ids))
-                self._loads[job.req_id] = (done, job)
-
-    def _load(self, job: LoadJob) -> list[int]:
-        """Run one chain load; returns the block ids that could not be loaded."""
-        if job.fail is not None or self.restorer is None:
-            self.stats.count("lookups", "load_failed:")
-            return list(job.block_ids)
-        fp = self._fp(job.scope)
-        ns = self.namespaces.name(job.scope.lora, job.scope.salt_digest)
-        t0 = time.perf_counter()
-        out = self.restorer.load(ns, fp.digest(), job,
-                                 lambda sha1, why, inode: self._quarantine(ns, sha1, why, inode))
-        seconds = time.perf_counter() - t0
-        self._touch_later(ns, out.used)
-        self.stats.add("bytes_read", out.bytes_read)
-        if out.failed is not None:
-            self._load_failed(ns, out.failed.sha1, out.error, len(out.bad_blocks))
-            return out.bad_blocks
-        self.stats.observe("load_seconds", seconds)
-        with self._lock:
-            self._report.loads.append((out.bytes_read, seconds))
-        if self._counts_tokens:
-            self.stats.add("tokens_loaded", out.blocks * self.block_size)
-        sha = job.files[-1].sha1 if job.files else "-"
-        self.trace.loaded(sha, out.blocks * self.block_size, len(job.files), seconds)
-        log.debug("kvdisk: restored %d tokens of %s from %d file(s), %.1f MB in %.1f ms",
-                  out.blocks * self.block_size, job.req_id, len(job.files),
-                  out.bytes_read / 1e6, seconds * 1e3)
-        return []
-
-    def _quarantine(self, ns: str, sha1: str, why: str, inode: int) -> None:
-        if self.store.quarantine(ns, sha1, why, inode=inode or None):
-            self.stats.add("quarantined")
-            self.trace.quarantined(sha1, why)
-
-    def _load_failed(self, ns: str, sha1: str, exc: Exception | None, blocks: int) -> None:
-        """Recompute from this file on; a corrupt one was quarantined already, a stale or
-        unreadable one only leaves the index (the next refresh may find it again)."""
-        self.stats.count("lookups", "load_failed:")
-        if not isinstance(exc, FormatError):
-            log.warning("kvdisk: load of %s skipped: %s", sha1, exc)
-            self.store.forget(ns, sha1)
-        with self._lock:
-            self._report.removed.append((ns, sha1))
-        self.trace.load_failed(sha1, str(exc), blocks)
-
-    def _touch_later(self, ns: str, sha1s: list[str]) -> None:
-        """Hit counts and last-used times, off the restore's critical path."""
-        if not sha1s:
-            return
-        try:
-            self.pool.submit(lambda: [self.store.touch(ns, sha1) for sha1 in sha1s])
-        except RuntimeError:  # shutting down: the pool takes no more work
-            pass
+        self.loads.start(meta.loads)
 
     # -- step timing (for the cost-aware load policy) ---------------------------------
     def bind_connector_metadata(self, meta: StepMeta) -> None:
@@ -418,41 +355,16 @@ class WorkerSide:
 
     # -- step results -----------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self._loads and self._step[0] == 0:  # the step in flight computes nothing
-            # Nothing else runs in this step: sleep on the loads (a little) instead of
-            # letting the engine spin through empty steps, which takes the cores the reads
-            # need. A request arriving meanwhile waits at most IDLE_LOAD_WAIT_S.
-            wait([fut for fut, _ in self._loads.values()], timeout=IDLE_LOAD_WAIT_S,
-                 return_when=FIRST_COMPLETED)
+        recving = self.loads.finished(idle=self._step[0] == 0)
         self._finished.append(set(finished_req_ids))
         recent = set().union(*self._finished)
         with self._lock:  # held blocks go back once no copy of the request is running
             sending = {req for req in self._held & recent if req not in self._copying}
         self._held -= sending
-        recving = set()
-        for req_id, (fut, job) in list(self._loads.items()):
-            if fut.done():
-                del self._loads[req_id]
-                recving.add(req_id)
-                try:
-                    bad = fut.result()
-                except Exception as exc:  # noqa: BLE001 - recompute everything it covered
-                    log.warning("kvdisk: load for %s crashed: %s", req_id, exc)
-                    bad = job.block_ids
-                if bad:
-                    if self.hybrid:  # block ids are per group: vLLM takes the request
-                        self._failed_recving.add(req_id)
-                    else:
-                        self._load_errors.update(bad)
-                    with self._lock:  # in the same step as finished_recving
-                        self._report.failed_loads.append(req_id)
         return sending or None, recving or None
 
     def take_failed_recving(self) -> set[str]:
-        """Requests whose load fell short, on a hybrid model: vLLM cannot map block ids of
-        several groups back to requests, so the whole request is recomputed."""
-        failed, self._failed_recving = self._failed_recving, set()
-        return failed
+        return self.loads.take_failed_recving()
 
     def _layer_ids(self, job: SaveJob) -> list[list[int]]:
         """Each layer's engine block ids of a save, in file order."""
@@ -461,8 +373,7 @@ class WorkerSide:
         return [ids for group, ids in zip(self.groups, job.groups) for _ in range(group.layers)]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self.loads.take_load_errors()
 
     @guarded("build_connector_worker_meta", lambda: None)
     def build_connector_worker_meta(self) -> WorkerReport | None:
@@ -479,7 +390,6 @@ class WorkerSide:
         """Flush: every save already handed over is copied and written before we return."""
         self._copier.shutdown(wait=True)
         self.pool.shutdown(wait=True)
-        self._load_pool.shutdown(wait=True)
-        self._readers.shutdown(wait=True)
+        self.loads.shutdown()
         self.trace.close()
         self.store.close()
