@@ -70,3 +70,10 @@ def test_the_tests_the_docs_cite_exist():
             if not any(d == name or (short and d.startswith(name)) for d in defs):
                 missing.append((doc, f"{module}::{name}"))
     assert not missing, missing
+
+
+def test_no_module_is_over_400_lines():
+    """A module that grows past this holds more than one concept: split it."""
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "vllm_kvdisk").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long

@@ -111,7 +111,7 @@ class KVDiskConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched.kv_cache_manager = kv_cache_manager
         null = getattr(getattr(kv_cache_manager, "block_pool", None), "null_block", None)
         if null is not None:
-            self._sched.null_block = null.block_id
+            self._sched.blocks.null_block = null.block_id
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -21,24 +21,26 @@ Invariants:
 
 from __future__ import annotations
 
-import signal
 import time
 from typing import Any
 
 from vllm_kvdisk.core.config import KVDiskConfig
-from vllm_kvdisk.core.control import RequestControl, tool_entries
+from vllm_kvdisk.core.control import RequestControl
 from vllm_kvdisk.ops.diagnose import Diagnostics, LookupReport
 from vllm_kvdisk.connector.events import DiskEvents
-from vllm_kvdisk.core.format import FULL_ONLY, Group, GroupKind, Reason, window_blocks
+from vllm_kvdisk.connector.groupblocks import GroupBlocks
+from vllm_kvdisk.connector.saveplans import SavePlanning
+from vllm_kvdisk.connector.signals import on_stop_signal
+from vllm_kvdisk.core.format import FULL_ONLY, Group
 from vllm_kvdisk.core.index import Lookup, Miss
-from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta, WorkerReport
+from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, Scope, StepMeta, WorkerReport
 from vllm_kvdisk.core.keys import Fingerprint, Grid, Namespaces, as_token_array, salt_digest
 from vllm_kvdisk.core.lifecycle import RequestState
 from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.connector.guard import guarded
 from vllm_kvdisk.ops.metrics import KVDiskStats, snapshot
 from vllm_kvdisk.ops.recorder import StatsRecorder
-from vllm_kvdisk.core.planner import Planner, Prompt, trim_to_windows, window_sources
+from vllm_kvdisk.core.planner import Planner, trim_to_windows
 from vllm_kvdisk.core.policy import LoadCostModel
 from vllm_kvdisk.core.saverules import SaveRules
 from vllm_kvdisk.storage.store import Store
@@ -57,8 +59,8 @@ class SchedulerSide:
         self.config = config
         # KV cache groups (a hybrid model has several): a block id list each, in this order.
         self.groups = groups
-        self.windows = [g.window for g in groups if g.kind == GroupKind.WINDOW]
-        self.null_block = 0  # vLLM's null block (skipped window blocks): from the manager
+        self.blocks = GroupBlocks(groups, block_size)
+        self.windows = self.blocks.windows
         self.workers = workers  # every worker confirms each save job's copy once
         self.base_fp = fingerprint
         self.table = table
@@ -81,9 +83,11 @@ class SchedulerSide:
         self.report = LookupReport(self.store, table, self.stats, self.trace, self.diagnostics)
         self.cost = LoadCostModel()
         self.events = DiskEvents(events, block_size)
+        self.saves = SavePlanning(planner=self.planner, rules=self.rules, table=table,
+                                  blocks=self.blocks, events=self.events, store=self.store,
+                                  context_size=context_size, workers=workers)
         self._reqs: dict[str, RequestState] = {}
         self._loads: list[LoadJob] = []
-        self._saves: list[SaveJob] = []
         self._holds: list[str] = []  # finished requests held for their copies, to tell workers
         self._held: set[str] = set()  # ... until their finished_sending arrives
         self.namespaces = Namespaces(fingerprint)
@@ -92,32 +96,14 @@ class SchedulerSide:
         self._quarantined_seen = 0
         self._shutdown_requested = False
         self._shutdown_saved = False
-        self._watch_shutdown()
+        on_stop_signal(self._stop_requested)
         self.kv_cache_manager: Any = None
         log.info("kvdisk: %d checkpoint(s), %.1f MiB of %d MiB budget in %s (scanned in %.2f s)",
                  len(self.store.index), self.store.index.total_bytes / 2**20,
                  config.kv_disk_space_mb, self.store.root, time.monotonic() - started)
 
-    def _watch_shutdown(self) -> None:
-        """Learn when vLLM's engine process is told to stop, to checkpoint running requests.
-
-        vLLM installs its SIGTERM/SIGINT handlers in the engine process before it builds the
-        scheduler; we chain ours in front of them. An in-process engine (default handlers)
-        is left alone: its owner's signals are not ours to take.
-        """
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                previous = signal.getsignal(sig)
-                if not callable(previous) or previous is signal.default_int_handler:
-                    continue
-
-                def handler(signum: int, frame: Any, previous: Any = previous) -> None:
-                    self._shutdown_requested = True
-                    previous(signum, frame)
-
-                signal.signal(sig, handler)
-            except ValueError:  # not the main thread
-                return
+    def _stop_requested(self) -> None:
+        self._shutdown_requested = True
 
     # -- requests ---------------------------------------------------------------------
     def _ns(self, scope: Scope) -> str:
@@ -214,8 +200,8 @@ class SchedulerSide:
                               s.entry.inode) for s in segments]
             job = LoadJob(request.request_id, st.scope, files, start, block_ids,
                           ids[:hit].astype("<u4").tobytes(), indexed_ns=st.ns)
-            if len(self.groups) > 1 or self.windows:
-                self._place_groups(job, segments, all_ids, local, hit)
+            if self.blocks.hybrid:
+                self.blocks.place(job, segments, all_ids, local, hit)
         except Exception as exc:  # noqa: BLE001 - the request must still get its answer
             self.stats.count("errors", "update_state_after_alloc")
             log.exception("kvdisk: planning the load of %s failed", request.request_id)
@@ -227,107 +213,7 @@ class SchedulerSide:
         self.stats.add("tokens_looked_up", request.num_prompt_tokens)
         self.report.hit(st.ns, lookup, ids, local, num_external_tokens, len(job.files))
 
-    def _place_groups(self, job: LoadJob, segments: list, all_ids: Any, local: int,
-                      hit: int) -> None:
-        """Per KV cache group, the engine blocks to fill and which file fills which: a full
-        group's from every file it owns, a window group's only the window before the hit
-        (vLLM's null block below it), each block from the deepest file holding it."""
-        bs, start, end = self.block_size, job.start_block, hit // self.block_size
-        if len(all_ids) != len(self.groups):
-            raise ValueError(f"{len(all_ids)} block tables for {len(self.groups)} KV cache groups")
-        job.groups = [list(ids[start:end]) for ids in all_ids]
-        files = [(s.entry.tokens, s.upto) for s in segments]
-        per_group = []
-        for group, ids in zip(self.groups, job.groups):
-            if group.kind == GroupKind.WINDOW:
-                sources = window_sources(files, hit, local, group.window, bs)
-                if sources is None:
-                    raise ValueError("a sliding window the hit needs is not stored")
-            else:
-                sources = [(max(s.entry.parent_tokens // bs, start), s.upto // bs)
-                           for s in segments]
-            for a, c in sources:
-                if self.null_block in ids[a - start:c - start]:
-                    raise ValueError("a block to restore is vLLM's null block")
-            per_group.append(sources)
-        for i, file in enumerate(job.files):
-            file.ranges = tuple(sources[i] for sources in per_group)
-        if end - start != len(job.block_ids):
-            raise ValueError("fewer blocks allocated than the hit covers")
-
     # -- saves ------------------------------------------------------------------------
-    def _stored_blocks(self, group_ids: list[list[int]], parent_tokens: int,
-                       length: int) -> list[list[int]] | None:
-        """Per group, the engine blocks a file ``[parent_tokens, length)`` stores, or None
-        when vLLM has already freed part of a window (its save cannot be made)."""
-        bs, out = self.block_size, []
-        for group, ids in zip(self.groups, group_ids):
-            if group.kind == GroupKind.WINDOW:
-                first, count = window_blocks(length, group.window, bs)
-            else:
-                first, count = parent_tokens // bs, (length - parent_tokens) // bs
-            part = list(ids[first:first + count])
-            if len(part) != count or self.null_block in part:
-                return None
-            out.append(part)
-        return out
-
-    def _plan_saves(self, st: RequestState, due: list[tuple[int, Reason]],
-                    group_ids: list[list[int]]) -> bool:
-        """Plan the due saves of one request (``group_ids``: its block ids, one list per
-        KV cache group); True if any was planned."""
-        block_ids = group_ids[0] if group_ids else []
-        request = st.request
-        cap = st.control.max_save_tokens
-        if cap is not None:  # positions past the cap become one checkpoint at the cap
-            at_cap = self.rules.grid.block_floor(cap)
-            due = sorted({(min(length, at_cap), reason) for length, reason in due
-                          if min(length, at_cap) >= self.rules.min_tokens})
-        if not due or not st.control.save:
-            return False
-        top = max(length for length, _ in due)
-        ids = request.all_token_ids[:top]
-        if len(ids) < top:
-            return False
-        prompt = Prompt(self.table, ids)
-        planned = False
-        grid = self.rules.grid
-        on_grid = grid.is_position
-        for length, reason in due:
-            plan = self.planner.plan_save(st.ns, prompt, length, reason,
-                                          spine=on_grid if on_grid(length) else None)
-            if plan is None:
-                continue
-            bs = self.block_size
-            owned = block_ids[plan.parent_tokens // bs: length // bs]
-            if len(owned) != (length - plan.parent_tokens) // bs:
-                continue
-            stored: list[list[int]] = []
-            if len(self.groups) > 1 or self.windows:
-                stored = self._stored_blocks(group_ids, plan.parent_tokens, length) or []
-                if not stored:  # the window before this position is gone already
-                    continue
-                owned = stored[0]
-            if not self.planner.reserve(plan, prompt, int(time.time())):
-                continue
-            try:
-                self.events.planned((plan.ns, plan.sha1), request, plan.parent_tokens, length,
-                                    st.scope.lora)
-                text = prompt.text_upto(length)
-                self._saves.append(SaveJob(
-                    request.request_id, st.scope, plan, list(owned), text,
-                    prompt.ids[:length].astype("<u4").tobytes(), self.context_size,
-                    tool_map=tool_entries(st.control, text), groups=stored))
-                st.copies_out += self.workers
-            except Exception:
-                # A reservation nobody will report keeps has_pending_push_work() true and
-                # the engine stepping empty batches forever: give it back first.
-                self.store.index.release(plan.ns, plan.sha1)
-                self.events.dropped((plan.ns, plan.sha1))
-                raise
-            planned = True
-        return planned
-
     def _block_ids(self, req_id: str) -> list[list[int]]:
         if self.kv_cache_manager is None:
             return []
@@ -348,14 +234,14 @@ class SchedulerSide:
                 before = request.num_computed_tokens
                 due = self.rules.on_step(request.num_prompt_tokens, before, before + n_sched)
                 if due:
-                    self._plan_saves(st, due, self._block_ids(req_id))
+                    self.saves.plan(st, due, self._block_ids(req_id))
             if self._shutdown_requested and not self._shutdown_saved:
                 self._shutdown_saved = True
                 self._checkpoint_running()
         except Exception:  # noqa: BLE001 - saves are optional; the loads above are not
             self.stats.count("errors", "build_connector_meta")
             log.exception("kvdisk: planning saves failed")
-        meta.saves, self._saves = self._saves, []
+        meta.saves = self.saves.take()
         meta.holds, self._holds = self._holds, []
         meta.flush = [r for r in scheduler_output.preempted_req_ids or () if r in self._reqs]
         return meta
@@ -368,7 +254,7 @@ class SchedulerSide:
                 continue
             due = self.rules.on_shutdown(st.request.num_computed_tokens)
             if due:
-                self._plan_saves(st, due, self._block_ids(req_id))
+                self.saves.plan(st, due, self._block_ids(req_id))
 
     @guarded("request_finished", lambda: (False, None))
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -386,7 +272,7 @@ class SchedulerSide:
             return False, None
         tables = min((len(ids) for ids in group_ids), default=0)
         computed = min(request.num_computed_tokens, tables * self.block_size)
-        self._plan_saves(st, self.rules.on_finished(computed), group_ids)
+        self.saves.plan(st, self.rules.on_finished(computed), group_ids)
         if not st.holds_blocks:
             return False, None
         # Some copy of its pages may still run (copies run after the step that planned

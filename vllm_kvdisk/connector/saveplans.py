@@ -1,0 +1,94 @@
+"""Save jobs: the positions the save rules made due, turned into checkpoints to write.
+
+Each due position of a request is planned as a delta on the deepest checkpoint on disk or
+in flight (``planner``), reserved in the index (two-phase: a reserved key is a parent and
+a duplicate for the next plans, never a lookup hit) and handed to the workers as a
+:class:`SaveJob` with the engine blocks it stores, per KV cache group.
+"""
+
+from __future__ import annotations
+
+import time
+
+from vllm_kvdisk.connector.events import DiskEvents
+from vllm_kvdisk.connector.groupblocks import GroupBlocks
+from vllm_kvdisk.connector.jobs import SaveJob
+from vllm_kvdisk.core.control import tool_entries
+from vllm_kvdisk.core.format import Reason
+from vllm_kvdisk.core.lifecycle import RequestState
+from vllm_kvdisk.core.planner import Planner, Prompt
+from vllm_kvdisk.core.saverules import SaveRules
+from vllm_kvdisk.core.tokens import TokenTable
+from vllm_kvdisk.storage.store import Store
+
+
+class SavePlanning:
+    def __init__(self, *, planner: Planner, rules: SaveRules, table: TokenTable,
+                 blocks: GroupBlocks, events: DiskEvents, store: Store, context_size: int,
+                 workers: int):
+        self.planner, self.rules, self.table, self.blocks = planner, rules, table, blocks
+        self.events, self.store = events, store
+        self.block_size = blocks.block_size
+        self.context_size = context_size
+        self.workers = workers  # every worker confirms each save job's copy once
+        self.jobs: list[SaveJob] = []  # planned in this step, for the step's metadata
+
+    def take(self) -> list[SaveJob]:
+        jobs, self.jobs = self.jobs, []
+        return jobs
+
+    def plan(self, st: RequestState, due: list[tuple[int, Reason]],
+             group_ids: list[list[int]]) -> bool:
+        """Plan the due saves of one request (``group_ids``: its block ids, one list per
+        KV cache group); True if any was planned."""
+        block_ids = group_ids[0] if group_ids else []
+        request = st.request
+        cap = st.control.max_save_tokens
+        if cap is not None:  # positions past the cap become one checkpoint at the cap
+            at_cap = self.rules.grid.block_floor(cap)
+            due = sorted({(min(length, at_cap), reason) for length, reason in due
+                          if min(length, at_cap) >= self.rules.min_tokens})
+        if not due or not st.control.save:
+            return False
+        top = max(length for length, _ in due)
+        ids = request.all_token_ids[:top]
+        if len(ids) < top:
+            return False
+        prompt = Prompt(self.table, ids)
+        planned = False
+        grid = self.rules.grid
+        on_grid = grid.is_position
+        for length, reason in due:
+            plan = self.planner.plan_save(st.ns, prompt, length, reason,
+                                          spine=on_grid if on_grid(length) else None)
+            if plan is None:
+                continue
+            bs = self.block_size
+            owned = block_ids[plan.parent_tokens // bs: length // bs]
+            if len(owned) != (length - plan.parent_tokens) // bs:
+                continue
+            stored: list[list[int]] = []
+            if self.blocks.hybrid:
+                stored = self.blocks.stored(group_ids, plan.parent_tokens, length) or []
+                if not stored:  # the window before this position is gone already
+                    continue
+                owned = stored[0]
+            if not self.planner.reserve(plan, prompt, int(time.time())):
+                continue
+            try:
+                self.events.planned((plan.ns, plan.sha1), request, plan.parent_tokens, length,
+                                    st.scope.lora)
+                text = prompt.text_upto(length)
+                self.jobs.append(SaveJob(
+                    request.request_id, st.scope, plan, list(owned), text,
+                    prompt.ids[:length].astype("<u4").tobytes(), self.context_size,
+                    tool_map=tool_entries(st.control, text), groups=stored))
+                st.copies_out += self.workers
+            except Exception:
+                # A reservation nobody will report keeps has_pending_push_work() true and
+                # the engine stepping empty batches forever: give it back first.
+                self.store.index.release(plan.ns, plan.sha1)
+                self.events.dropped((plan.ns, plan.sha1))
+                raise
+            planned = True
+        return planned
