@@ -101,7 +101,8 @@ def conversation_cuts(tokens: int, turns: int, align: int = 2048, trim: int = 32
     of its prompt and an evict save of prompt + reply), as the scheduler plans them."""
     from vllm_kvdisk.core.entry import Entry, head_digest
     from vllm_kvdisk.core.index import Index
-    from vllm_kvdisk.core.keys import Grid, token_digest
+    from vllm_kvdisk.core.keys import token_digest
+    from vllm_kvdisk.core.saverules import Grid
     from vllm_kvdisk.core.tokens import TokenTable
     from vllm_kvdisk.core.planner import Planner, Prompt
     from vllm_kvdisk.core.saverules import SaveRules

@@ -8,7 +8,8 @@ import numpy as np
 from vllm_kvdisk.core.entry import Entry, head_digest
 from vllm_kvdisk.core.format import PageLayout, Reason
 from vllm_kvdisk.core.index import Index
-from vllm_kvdisk.core.keys import Fingerprint, Grid, token_digest
+from vllm_kvdisk.core.keys import Fingerprint, token_digest
+from vllm_kvdisk.core.saverules import Grid
 from vllm_kvdisk.core.planner import Planner, Prompt, SavePlan
 from vllm_kvdisk.core.encode import encode_plan
 from vllm_kvdisk.storage.store import Store

@@ -8,7 +8,7 @@ import pytest
 from engine import ALIGN, Server, disk_tokens, engine, events, generate, shared_prefix
 from helpers import text
 
-from vllm_kvdisk.core.keys import Grid
+from vllm_kvdisk.core.saverules import Grid
 
 pytestmark = pytest.mark.engine
 GRID = Grid(ALIGN, 32, 128)

@@ -21,7 +21,7 @@ from helpers import text
 
 from vllm_kvdisk.testing import harness
 from vllm_kvdisk.storage.fileread import read_meta, read_tokens
-from vllm_kvdisk.core.keys import Grid
+from vllm_kvdisk.core.saverules import Grid
 from vllm_kvdisk.ops.trace import TraceEvent, read
 
 pytestmark = pytest.mark.engine

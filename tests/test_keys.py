@@ -5,33 +5,12 @@ from synth import byte_table
 
 from vllm_kvdisk.core.keys import (
     Fingerprint,
-    Grid,
     Namespaces,
     as_token_array,
     salt_digest,
     token_digest,
 )
 from vllm_kvdisk.core.tokens import TokenTable
-
-
-def test_seed_example_positions():
-    # ds4: a 10500-token conversation checkpoints at 10240 - 32 = 10208 tokens.
-    assert Grid(2048, 32, 16).floor(10500) == 10208
-    # On vLLM's CPU backend (block 128) the same rule lands on the block below.
-    assert Grid(2048, 32, 128).floor(10500) == 10112
-    assert Grid(2048, 32, 16).positions_upto(6200) == [2016, 4064, 6112]
-    assert Grid(2048, 32, 16).floor(2000) == 0
-
-
-def test_grid_rejects_nonsense():
-    with pytest.raises(ValueError):
-        Grid(32, 32, 16)
-    with pytest.raises(ValueError):
-        Grid(64, 8, 0)
-
-
-def test_positions_are_distinct_when_align_is_below_block():
-    assert Grid(64, 8, 128).positions_upto(1000) == [128, 256, 384, 512, 640, 768, 896]
 
 
 def test_render_is_exact_bytes_including_broken_utf8():
@@ -51,14 +30,6 @@ def test_ids_outside_the_vocabulary_render_as_a_replacement_character():
     text, ends = table.render(np.array([65, 999999, 66]))
     assert text == b"A\xef\xbf\xbdB" and ends.tolist() == [1, 4, 5]
     assert table.piece(999999) == table.UNKNOWN and len(table) == 262
-
-
-def test_grid_floor_matches_the_positions_and_block_floor():
-    grid = Grid(64, 8, 16)
-    for limit in range(0, 500):
-        positions = grid.positions_upto(limit)
-        assert grid.floor(limit) == (positions[-1] if positions else 0)
-    assert grid.block_floor(47) == 32 and grid.block_floor(-5) == 0
 
 
 def test_token_lists_convert_and_reject_bad_ids():

@@ -11,7 +11,7 @@ def test_grid_saves_rebase_on_the_grid_so_chains_stay_shallow():
     so the chain is the grid points plus the tails since the last one."""
     from synth import prompt_of
 
-    from vllm_kvdisk.core.keys import Grid
+    from vllm_kvdisk.core.saverules import Grid
     from vllm_kvdisk.core.planner import Planner
 
     grid = Grid(256, 32, BLOCK)

@@ -3,8 +3,7 @@
 import pytest
 
 from vllm_kvdisk.core.format import Reason
-from vllm_kvdisk.core.keys import Grid
-from vllm_kvdisk.core.saverules import SaveRules
+from vllm_kvdisk.core.saverules import Grid, SaveRules
 
 COLD, CONT, EVICT, SHUT = Reason.COLD, Reason.CONTINUED, Reason.EVICT, Reason.SHUTDOWN
 
@@ -77,3 +76,31 @@ def test_window_models_put_the_cold_tail_where_a_resent_prompt_hits():
     assert window.on_step(2560, 0, 2560) == [(1920, COLD), (2432, COLD)]
     assert window.on_step(2600, 0, 2600) == rules().on_step(2600, 0, 2600)  # not whole blocks
     assert window.on_finished(2591) == rules().on_finished(2591)  # a finished one: unchanged
+
+
+def test_seed_example_positions():
+    # ds4: a 10500-token conversation checkpoints at 10240 - 32 = 10208 tokens.
+    assert Grid(2048, 32, 16).floor(10500) == 10208
+    # On vLLM's CPU backend (block 128) the same rule lands on the block below.
+    assert Grid(2048, 32, 128).floor(10500) == 10112
+    assert Grid(2048, 32, 16).positions_upto(6200) == [2016, 4064, 6112]
+    assert Grid(2048, 32, 16).floor(2000) == 0
+
+
+def test_grid_rejects_nonsense():
+    with pytest.raises(ValueError):
+        Grid(32, 32, 16)
+    with pytest.raises(ValueError):
+        Grid(64, 8, 0)
+
+
+def test_positions_are_distinct_when_align_is_below_block():
+    assert Grid(64, 8, 128).positions_upto(1000) == [128, 256, 384, 512, 640, 768, 896]
+
+
+def test_grid_floor_matches_the_positions_and_block_floor():
+    grid = Grid(64, 8, 16)
+    for limit in range(0, 500):
+        positions = grid.positions_upto(limit)
+        assert grid.floor(limit) == (positions[-1] if positions else 0)
+    assert grid.block_floor(47) == 32 and grid.block_floor(-5) == 0

@@ -34,7 +34,7 @@ from vllm_kvdisk.connector.signals import on_stop_signal
 from vllm_kvdisk.core.format import FULL_ONLY, Group
 from vllm_kvdisk.core.index import Lookup, Miss
 from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, Scope, StepMeta, WorkerReport
-from vllm_kvdisk.core.keys import Fingerprint, Grid, Namespaces, as_token_array, salt_digest
+from vllm_kvdisk.core.keys import Fingerprint, Namespaces, as_token_array, salt_digest
 from vllm_kvdisk.core.lifecycle import RequestState
 from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.connector.guard import guarded
@@ -42,7 +42,7 @@ from vllm_kvdisk.ops.metrics import KVDiskStats, snapshot
 from vllm_kvdisk.ops.recorder import StatsRecorder
 from vllm_kvdisk.core.planner import Planner, trim_to_windows
 from vllm_kvdisk.core.policy import LoadCostModel
-from vllm_kvdisk.core.saverules import SaveRules
+from vllm_kvdisk.core.saverules import Grid, SaveRules
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.core.tokens import TokenTable
 from vllm_kvdisk.ops.trace import Trace

@@ -34,7 +34,54 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_kvdisk.core.format import Reason
-from vllm_kvdisk.core.keys import Grid
+
+
+def align_down(value: int, multiple: int) -> int:
+    return (value // multiple) * multiple
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    """The positions where checkpoints may exist, in tokens."""
+
+    align: int
+    trim: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.align < 1 or self.block_size < 1 or not 0 <= self.trim < self.align:
+            raise ValueError(f"invalid checkpoint grid {self}")
+
+    def position(self, k: int) -> int:
+        return align_down(k * self.align - self.trim, self.block_size)
+
+    def positions_upto(self, limit: int) -> list[int]:
+        """Distinct, increasing, positive grid positions <= limit."""
+        out: list[int] = []
+        k = 1
+        while True:
+            pos = self.position(k)
+            if pos > limit:
+                return out
+            if pos > 0 and (not out or pos != out[-1]):
+                out.append(pos)
+            k += 1
+
+    def floor(self, limit: int) -> int:
+        """The deepest grid position <= limit (0 if none)."""
+        if limit <= 0:
+            return 0
+        k = (limit + self.trim) // self.align + 1  # position(k) >= k*align - trim - block
+        while k > 0 and self.position(k) > limit:
+            k -= 1
+        return max(0, self.position(k)) if k > 0 else 0
+
+    def is_position(self, tokens: int) -> bool:
+        """Whether ``tokens`` is a grid position."""
+        return tokens > 0 and self.floor(tokens) == tokens
+
+    def block_floor(self, tokens: int) -> int:
+        return align_down(max(0, tokens), self.block_size)
 
 
 @dataclass(frozen=True, slots=True)
