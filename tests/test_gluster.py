@@ -3,6 +3,7 @@ through FUSE (two clients), a store on each mount, one cache directory. Each cli
 its own page cache and attribute cache: what one writes, the other may read stale unless
 the code asks the volume. No engine: the engine tests are in test_engine_gluster.py."""
 
+import errno
 import os
 import threading
 import time
@@ -175,3 +176,32 @@ def test_verify_through_one_mount_while_the_other_saves_and_evicts(replicas):
         thread.join()
     assert not errors, errors
     assert all(r.ok for r in reports), [r.problems for r in reports if not r.ok]
+
+
+
+def test_a_namespace_removed_and_made_again_through_the_other_mount_takes_saves(replicas):
+    """reset_cache (or kvdisk rm) through one client renames the namespace away and deletes
+    it, and that client's next save makes it again. The other client's descriptor of the
+    old directory then answers ESTALE to fstat (a local disk answers): its saves failed
+    with "Stale file handle" until a restart. They may fail for the second its attribute
+    cache still shows the old directory; then they land in the new one."""
+    a, b, ns = replicas()
+    rng = np.random.default_rng(0)
+    save(a, ns, prompt(1), 48, rng)
+    b.refresh(ns)
+    assert b.remove_namespace(ns) == 1
+    theirs, _ = save(b, ns, prompt(2), 48, rng)
+    failures, landed = [], None
+    deadline = time.monotonic() + 15
+    while landed is None and time.monotonic() < deadline:
+        try:
+            landed, _ = save(a, ns, prompt(3 + len(failures)), 48, rng)
+        except (OSError, SaveSkipped) as exc:
+            failures.append(exc)
+            time.sleep(0.1)
+    assert landed is not None, f"{len(failures)} saves failed: {failures[-1]}"
+    assert all(getattr(f, "errno", None) == errno.ESTALE or getattr(f, "reason", "") ==
+               "namespace_removed" for f in failures), failures
+    fresh = Store(b.root, space_bytes=1 << 30)
+    fresh.scan()
+    assert sorted(e.sha1 for e in fresh.index.entries()) == sorted([theirs.sha1, landed.sha1])

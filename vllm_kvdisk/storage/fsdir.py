@@ -127,7 +127,10 @@ def same_dir(fd: int, name: str, parent_fd: int) -> bool:
         st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
     except OSError:
         return False
-    mine = os.fstat(fd)
+    try:
+        mine = os.fstat(fd)
+    except OSError:  # ESTALE: a network file system's handle of a directory deleted since
+        return False
     return stat.S_ISDIR(st.st_mode) and (st.st_ino, st.st_dev) == (mine.st_ino, mine.st_dev)
 
 
