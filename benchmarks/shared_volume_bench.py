@@ -42,7 +42,8 @@ import numpy as np
 
 from core_index import FP, LAYOUT, make_files
 from vllm_kvdisk.core.format import Reason
-from vllm_kvdisk.core.planner import Planner, Prompt, SavePlan, encode_plan
+from vllm_kvdisk.core.encode import encode_plan
+from vllm_kvdisk.core.planner import Planner, Prompt, SavePlan
 from vllm_kvdisk.core.tokens import TokenTable
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.testing import gluster
