@@ -12,7 +12,10 @@ directory at a tight budget, for minutes.
 2. two engines, one directory: both answer their own sessions (sharing a prefix) at a
    budget of about three checkpoints, for ``--soak-minutes``; the bytes on disk are
    sampled all along; at the end the directory is verified and every answer compared with
-   the no-cache reference.
+   the no-cache reference. The directory is local, or one directory of a shared volume
+   seen through two clients: ``--soak-dirs A B`` (the same directory through two mounts;
+   one engine on each), or ``--gluster``: a GlusterFS volume made on the local disk and
+   mounted twice (``vllm_kvdisk.testing.gluster``; root and the glusterfs packages).
 Writes benchmarks/results/fault_soak.txt.
 """
 
@@ -123,12 +126,17 @@ def kill_loop(model: str, work: str, kills: int, say) -> None:
         f"{checked - mismatches} ({restored} of them restored from disk)")
 
 
-def soak(model: str, work: str, minutes: float, budget_mb: int, say) -> None:
+def soak(model: str, work: str, minutes: float, budget_mb: int, say,
+         dirs: tuple[str, str] | None = None) -> None:
+    """``dirs``: one directory as each engine sees it (two mounts of a shared volume);
+    None: one local directory for both."""
     kv = os.path.join(work, "soak-kv")
+    kv_dirs = dirs or (kv, kv)
+    kv = kv_dirs[0]
     seeds, count = (200, 201), 10_000
     outs = [os.path.join(work, f"soak-{s}.json") for s in seeds]
-    procs = [child(model, kv, out, s, count, kv_disk_space_mb=budget_mb, kv_disk_min_free_mb=0)
-             for s, out in zip(seeds, outs)]
+    procs = [child(model, d, out, s, count, kv_disk_space_mb=budget_mb, kv_disk_min_free_mb=0)
+             for d, s, out in zip(kv_dirs, seeds, outs)]
     peak, samples, t_end = 0, 0, time.monotonic() + minutes * 60
     while time.monotonic() < t_end and all(p.poll() is None for p in procs):
         total = 0
@@ -148,7 +156,9 @@ def soak(model: str, work: str, minutes: float, budget_mb: int, say) -> None:
               for s, answers in zip(seeds, answered) for a, r in zip(answers, refs[s]))
     store = Store(kv, space_bytes=budget_mb << 20, readonly=True)
     report = verify(store)
-    say(f"2. two engines, one directory, budget {budget_mb} MiB, {minutes:g} min: "
+    where = ("one local directory" if dirs is None else
+             f"one directory through two mounts ({kv_dirs[0]}, {kv_dirs[1]})")
+    say(f"2. two engines, {where}, budget {budget_mb} MiB, {minutes:g} min: "
         f"{sum(n)} prompts answered twice ({n[0]} + {n[1]}), peak on disk "
         f"{peak / 2**20:.1f} MiB over {samples} samples (budget {budget_mb} MiB, "
         f"peak/budget {peak / (budget_mb << 20):.2f}), at the end {store.index.total_bytes / 2**20:.1f} "
@@ -159,11 +169,31 @@ def soak(model: str, work: str, minutes: float, budget_mb: int, say) -> None:
         say(f"   verify: {p.kind} {p.ns}/{p.sha1}: {p.detail}")
 
 
+@contextlib.contextmanager
+def soak_dirs(args: argparse.Namespace, work: str):
+    """The directory of part 2 as each engine sees it (None: a local one)."""
+    if args.soak_dirs:
+        yield tuple(args.soak_dirs)
+    elif args.gluster:
+        from vllm_kvdisk.testing import gluster
+
+        with gluster.volume(os.path.join(work, "volume")) as vol:
+            yield tuple(os.path.join(m, "soak-kv") for m in vol.mounts)
+    else:
+        yield None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kills", type=int, default=100)
     ap.add_argument("--soak-minutes", type=float, default=5.0)
     ap.add_argument("--budget-mb", type=int, default=12)
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument("--soak-dirs", nargs=2, metavar=("A", "B"),
+                       help="part 2 on one directory seen through two mounts of a shared "
+                            "volume (one engine on each)")
+    where.add_argument("--gluster", action="store_true",
+                       help="part 2 on a GlusterFS volume made here and mounted twice")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "fault_soak.txt"))
     args = ap.parse_args()
     lines: list[str] = []
@@ -180,9 +210,12 @@ def main() -> None:
         if args.kills:
             kill_loop(model, work, args.kills, say)
         if args.soak_minutes:
-            soak(model, work, args.soak_minutes, args.budget_mb, say)
+            with soak_dirs(args, work) as dirs:
+                soak(model, work, args.soak_minutes, args.budget_mb, say, dirs)
+        where = (" --gluster" if args.gluster else
+                 f" --soak-dirs {' '.join(args.soak_dirs)}" if args.soak_dirs else "")
         say(f"command: python benchmarks/fault_soak.py --kills {args.kills} "
-            f"--soak-minutes {args.soak_minutes:g} --budget-mb {args.budget_mb}")
+            f"--soak-minutes {args.soak_minutes:g} --budget-mb {args.budget_mb}{where}")
         pathlib.Path(args.out).write_text("\n".join(lines) + "\n")
     finally:
         shutil.rmtree(work, ignore_errors=True)

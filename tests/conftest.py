@@ -55,3 +55,21 @@ def pytest_collection_modifyitems(config, items):
     if wrong:
         raise pytest.UsageError("engine tests belong in tests/test_engine_*.py, and only "
                                 "they: " + ", ".join(wrong[:10]))
+
+
+GLUSTER_BASE = "/tmp/kvdisk-gluster"
+
+
+@pytest.fixture(scope="module")
+def gluster_mounts():
+    """Two FUSE mounts of one GlusterFS volume made on the local disk for the tests of one
+    module (``vllm_kvdisk.testing.gluster``), removed after them whatever happened. Where
+    the volume cannot be made (not root, glusterfs not installed), each test fails with
+    the reason: a test on a shared volume is never skipped."""
+    from vllm_kvdisk.testing import gluster
+
+    try:
+        with gluster.volume(GLUSTER_BASE) as vol:
+            yield vol.mounts
+    except gluster.GlusterError as exc:
+        pytest.fail(f"no GlusterFS volume for this test: {exc}", pytrace=False)

@@ -127,7 +127,10 @@ def same_dir(fd: int, name: str, parent_fd: int) -> bool:
         st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
     except OSError:
         return False
-    mine = os.fstat(fd)
+    try:
+        mine = os.fstat(fd)
+    except OSError:  # ESTALE: a network file system's handle of a directory deleted since
+        return False
     return stat.S_ISDIR(st.st_mode) and (st.st_ino, st.st_dev) == (mine.st_ino, mine.st_dev)
 
 
@@ -245,6 +248,12 @@ def locked(dir_fd: int, timeout_s: float, name: str = ".lock") -> Iterator[int]:
                                       f"cache lock not taken within {timeout_s:g} s") from None
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
+        # The holder reads what the last holder wrote (the change count). A network file
+        # system's client may keep this file's pages from before: GlusterFS's FUSE client
+        # did, and each mount read its own count. Dropping them makes the read ask the
+        # volume (dirty pages stay: a local disk keeps its own writes cached).
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         yield fd
     finally:
         os.close(fd)

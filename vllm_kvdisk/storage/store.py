@@ -264,6 +264,10 @@ class Store:
             # file system without flock still counts the hit (maybe losing a concurrent one).
             with contextlib.suppress(OSError):
                 fcntl.flock(fd, fcntl.LOCK_EX)
+            # Another client's last hit is on the volume, maybe not in our cached header
+            # page (GlusterFS kept it: hits through two mounts overwrote each other).
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, 0, 4096, os.POSIX_FADV_DONTNEED)
             st = os.fstat(fd)
             if entry is not None and (st.st_ino, st.st_size) != (entry.inode, entry.size):
                 return  # replaced by another process: its statistics are its own
