@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 import shutil
 import statistics
 import tempfile
@@ -37,9 +36,9 @@ from common import close, kv_bytes_per_token, make_llm, model_shape
 from io_bench import CHUNK, drop_cache, raw_read
 
 from vllm_kvdisk.core.config import KVDiskConfig
+from vllm_kvdisk.ops import trace
 from vllm_kvdisk.storage.fileread import read_meta
 
-LOADED = re.compile(r"hit for sha1=(\w+) \(loaded (\d+) tokens from (\d+) file\(s\), (\d+) ms\)")
 
 
 def timed_generate(llm, prompts, max_tokens) -> float:
@@ -86,13 +85,10 @@ def raw_reads(files: list[str], pool: ThreadPoolExecutor, cold: bool, repeat: in
     return statistics.median(runs)
 
 
-def loads_traced(trace: str, since: int) -> tuple[list[tuple[str, float]], int]:
-    """(head sha1, load seconds) of each restore the trace logged past byte ``since``."""
-    with open(trace) as fh:
-        fh.seek(since)
-        text = fh.read()
-        end = fh.tell()
-    return [(m[1], int(m[4]) / 1e3) for m in LOADED.finditer(text)], end
+def loads_traced(trace_path: str, seen: int) -> tuple[list[tuple[str, float]], int]:
+    """(head sha1, load seconds) of each restore the trace logged after the first ``seen``."""
+    loaded = trace.read(trace_path, kinds=["loaded"])
+    return [(e.sha1, e.ms / 1e3) for e in loaded[seen:]], len(loaded)
 
 
 def staging_peak(worker) -> int:
@@ -158,8 +154,8 @@ def main() -> None:
         peak = max(disk.collective_rpc(staging_peak))
         close(disk)
         files = sum(len(f) for _, _, f in os.walk(kv))
-        trace = os.path.join(work, "trace.log")
-        restarted = make_llm(model, kv, trace=trace)
+        trace_path = os.path.join(work, "trace.log")
+        restarted = make_llm(model, kv, trace=trace_path)
         paths, seen = kv_paths(kv), 0
         ttft_disk = {n: [] for n in lengths}
         ttft_cold_disk = {n: [] for n in lengths}
@@ -176,7 +172,7 @@ def main() -> None:
                             drop_cache(path)
                     (ttft_cold_disk if cold else ttft_disk)[n].append(
                         timed_generate(restarted, [prompt], 1))
-                    loads, seen = loads_traced(trace, seen)
+                    loads, seen = loads_traced(trace_path, seen)
                     if len(loads) == 1:
                         heads[n] = loads[0][0]
                         load_s[n, cold].append(loads[0][1])
