@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_kvdisk.connector.jobs import LoadJob
-from vllm_kvdisk.core.format import Group, GroupKind, window_blocks
+from vllm_kvdisk.core.format import Group, GroupKind, is_hybrid, window_blocks
 from vllm_kvdisk.core.planner import window_sources
 
 
@@ -20,7 +20,7 @@ class GroupBlocks:
         self.groups = groups
         self.block_size = block_size
         self.windows = [g.window for g in groups if g.kind == GroupKind.WINDOW]
-        self.hybrid = len(groups) > 1 or bool(self.windows)
+        self.hybrid = is_hybrid(groups)
         self.null_block = 0  # vLLM's null block (skipped window blocks): from the manager
 
     def place(self, job: LoadJob, segments: list, all_ids: Any, local: int, hit: int) -> None:

@@ -35,7 +35,7 @@ import numpy as np
 from vllm_kvdisk.storage.budget import SaveSkipped
 from vllm_kvdisk.core.compat import Placement
 from vllm_kvdisk.core.config import KVDiskConfig
-from vllm_kvdisk.core.format import GroupKind
+from vllm_kvdisk.core.format import GroupKind, is_hybrid
 from vllm_kvdisk.core.entry import Entry
 from vllm_kvdisk.connector.jobs import SaveJob, Scope, StepMeta, WorkerReport
 from vllm_kvdisk.core.keys import Fingerprint, Namespaces
@@ -65,7 +65,7 @@ class WorkerSide:
         # layers have a block table of their own, and vLLM frees a window's blocks in
         # the step after the tokens past it are computed.
         self.groups = placement.groups
-        self.hybrid = len(self.groups) > 1 or any(g.kind == GroupKind.WINDOW for g in self.groups)
+        self.hybrid = is_hybrid(self.groups)
         self._windows_copying = 0  # save copies whose window pages are not copied yet
         # Token counts are per engine: only its first worker counts them (bytes are per
         # rank, summed).

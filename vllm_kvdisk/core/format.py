@@ -207,6 +207,12 @@ class Group:
 FULL_ONLY = (Group(GroupKind.FULL, 0),)  # a model with one full-attention group
 
 
+def is_hybrid(groups: Sequence[Group]) -> bool:
+    """Several KV cache groups, or a sliding window: block ids go per group, and vLLM frees
+    a window's blocks once the tokens past it are computed."""
+    return len(groups) > 1 or any(g.kind == GroupKind.WINDOW for g in groups)
+
+
 @dataclass(frozen=True, slots=True)
 class Payload:
     """The payload's own header: what the pages are and what they extend."""
