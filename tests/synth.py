@@ -70,6 +70,18 @@ def save(store: Store, ns: str, prompt: Prompt, length: int, rng: np.random.Gene
     return plan, layers
 
 
+def child_of_a_root(tmp_path, seed: int):
+    """A store with a root checkpoint at 48 tokens of ``prompt(seed)`` and the plan of its
+    child at 112, not written yet: (store, ns, prompt, root plan, child plan, rng)."""
+    store, ns = make(tmp_path)
+    p = prompt(seed)
+    rng = np.random.default_rng(0)
+    root, _ = save(store, ns, p, 48, rng)
+    plan = planner(store).plan_save(ns, p, 112, Reason.COLD)
+    assert plan.parent == root.sha1
+    return store, ns, p, root, plan, rng
+
+
 # -- an index without files: entries built from id arrays --------------------------
 
 def ids_of(seed: int, n: int = 400) -> np.ndarray:

@@ -7,9 +7,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from synth import FP, encode, make, planner, prompt, save
+from synth import FP, child_of_a_root, encode, make, prompt, save
 
-from vllm_kvdisk.core.format import Reason
 from vllm_kvdisk.storage.budget import SaveSkipped
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.storage.verify import verify
@@ -64,12 +63,7 @@ def test_a_delta_never_evicts_its_own_parent(tmp_path):
 def test_a_delta_whose_parent_is_gone_is_not_written(tmp_path):
     """A parent save that failed (ENOSPC) or was evicted by another process leaves its
     child without a chain; the child is skipped, never written as an orphan."""
-    store, ns = make(tmp_path)
-    p = prompt(7)
-    rng = np.random.default_rng(0)
-    root, _ = save(store, ns, p, 48, rng)
-    plan = planner(store).plan_save(ns, p, 112, Reason.COLD)
-    assert plan.parent == root.sha1
+    store, ns, p, root, plan, rng = child_of_a_root(tmp_path, 7)
     os.unlink(store.path(ns, root.sha1))  # gone meanwhile
     from synth import pages
 

@@ -7,9 +7,8 @@ import time
 
 import numpy as np
 import pytest
-from synth import encode, make, planner, prompt, save
+from synth import child_of_a_root, encode, make, prompt, save
 
-from vllm_kvdisk.core.format import Reason
 from vllm_kvdisk.storage.budget import SaveSkipped
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.storage.verify import verify
@@ -24,12 +23,7 @@ def test_a_parent_deleted_within_one_timestamp_tick_is_still_seen_gone(tmp_path,
     stays so through the eviction and the temp file."""
     from vllm_kvdisk.storage import fsdir
 
-    store, ns = make(tmp_path)
-    p = prompt(8)
-    rng = np.random.default_rng(0)
-    root, _ = save(store, ns, p, 48, rng)
-    plan = planner(store).plan_save(ns, p, 112, Reason.COLD)
-    assert plan.parent == root.sha1
+    store, ns, p, root, plan, rng = child_of_a_root(tmp_path, 8)
     seen = time.time_ns()
     os.utime(store.ns_dir(ns), ns=(seen, seen))
     store.refresh(ns)  # the look, within the tick of the directory's last change
