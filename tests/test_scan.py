@@ -76,11 +76,11 @@ def test_entries_learned_from_reports_follow_the_directory(tmp_path):
     sched.index.add(worker.index.get(ns, a.sha1))  # what a WorkerReport carries
     sched.refresh(ns)
     assert sched.index.get(ns, a.sha1) is not None
-    os.unlink(worker.path(ns, a.sha1))  # kvdisk gc in another process
+    os.unlink(worker.path(ns, a.sha1))  # deleted by hand, not journaled
     sched.refresh(ns)
     assert sched.index.get(ns, a.sha1) is None
     # Replaced under the same name by another replica: re-indexed, not "inconsistent".
-    worker.refresh(ns)
+    worker.refresh(ns, force=True)  # a store following the journal lists when told to
     b, _ = save(worker, ns, p, 48, rng)
     sched.refresh(ns)
     old = sched.index.get(ns, b.sha1)

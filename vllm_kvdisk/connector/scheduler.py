@@ -75,7 +75,7 @@ class SchedulerSide:
         self.stats = StatsRecorder()
         self.store = Store.from_config(config)
         started = time.monotonic()
-        self.store.scan()
+        self.store.start()
         self.planner = Planner(self.store.index, block_size, self.store.read_ids,
                                config.kv_cache_min_tokens)
         self.trace = Trace.from_config(config)

@@ -116,7 +116,7 @@ class WorkerSide:
         if self.mover.device.type == "cuda":
             self.staging.allocate = pinned_buffer  # device copies want page-locked memory
         self.loads.attach(self.mover, self.staging, self.groups)
-        self.store.scan()
+        self.store.start()
         self._shorten_gil_switch()
         log.info("kvdisk worker: %d layers, page %d bytes, %d checkpoint(s) on disk",
                  len(layers), self.mover.page_bytes, len(self.store.index))

@@ -11,7 +11,9 @@
   never renamed over.
 * ENOSPC while writing the temp file (the volume is fuller than the budget knows) makes
   room once and writes again.
-* Evictions and ``kvdisk gc`` decide from a fresh listing under the same lock.
+* Evictions decide under the same lock, from the index caught up by the journal (or a
+  listing), each victim stat'ed before it goes (``Scanner.verify_victims``): never a
+  listing of a whole namespace per save. ``kvdisk gc`` decides from a fresh listing.
 
 Pure of vLLM and torch.
 """
@@ -32,9 +34,11 @@ from vllm_kvdisk.core.index import Index
 from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage.directory import Directory
 from vllm_kvdisk.storage.lock import DirLock
-from vllm_kvdisk.storage.scan import Scanner, identity
+from vllm_kvdisk.storage.scan import Scanner
 from vllm_kvdisk.storage.stats import StoreStats
 
+
+RECHECKS = 4  # eviction plans made again after a victim was not its entry's file
 
 SKIP_REASONS = ("no_space", "lock_timeout", "parent_gone", "namespace_removed", "busy",
                 "exists")
@@ -96,7 +100,7 @@ class Budget:
                     written = tmp.write(encoded.buffers)
                 if written != encoded.size:
                     raise FormatError(f"wrote {written} bytes, layout says {encoded.size}")
-                entry.inode, entry.size, entry.mtime_ns = identity(tmp.stat())
+                entry.inode, entry.size, entry.mtime_ns = fsdir.identity(tmp.stat())
                 self._commit(entry, tmp, protect)
         except SaveSkipped:
             self.stats.skipped_saves += 1
@@ -137,24 +141,20 @@ class Budget:
         incoming = entry.size if tmp is None else 0  # a written temp file already takes room
         need = self._shortfall(entry.size, incoming)
         if need > 0:
-            self.scanner.refresh_all(force=True)  # decide evictions from the directory as it is
-            need = self._shortfall(entry.size, incoming)
-        if need > 0:
             keep = set(protect) | {entry.key}
-            plan = plan_eviction(self.index, need, self.clock(), keep, adding=[entry],
-                                 groups=self._groups())
+            plan = self._plan(need, keep, [entry], lambda: self._shortfall(entry.size, incoming))
             freed = sum(e.size for e in plan)
+            need = self._shortfall(entry.size, incoming)
             if freed < need:
                 raise SaveSkipped("no_space", (
                     f"{need} bytes must be freed for a file of {entry.size} but only {freed} "
                     "are evictable (budget or free-space watermark)"))
             self._delete(plan)
-            self.scanner.names_changed()
         if tmp is None:
             return
         tmp.commit()
         self.index.add(entry)
-        self.scanner.names_changed()
+        self.scanner.names_changed(add=[entry])
         self.stats.written += 1
         self.stats.bytes_written += entry.size
 
@@ -188,7 +188,27 @@ class Budget:
         return self.directory.rank_groups(self.index.namespaces())
 
     # -- eviction ---------------------------------------------------------------------
+    def _plan(self, need: int, keep: set[Key], adding: list[Entry],
+              shortfall: Callable[[], int]) -> list[Entry]:
+        """Under the lock: the leaves to delete, each checked on disk first (a stat per
+        victim, never a listing: the index is caught up by the journal or a listing). A
+        victim that is not the file its entry says (another replica's hits, another file
+        on its name) is read again and the plan made again; after a few rounds, the
+        directory is listed and stat'ed whole."""
+        for attempt in range(RECHECKS + 1):
+            if attempt == RECHECKS:
+                self.scanner.refresh_all(force=True)
+                need = shortfall()
+            plan = plan_eviction(self.index, need, self.clock(), keep, adding=adding,
+                                 groups=self._groups())
+            if self.scanner.verify_victims(plan):
+                return plan
+            need = shortfall()
+        return plan
+
     def _delete(self, plan: list[Entry]) -> None:
+        if not plan:
+            return
         for entry in plan:
             self.index.remove(entry.ns, entry.sha1)
             state = self.directory.namespace(entry.ns)
@@ -199,6 +219,7 @@ class Budget:
             self.stats.bytes_evicted += entry.size
             if self._on_evict is not None:
                 self._on_evict(entry)
+        self.scanner.names_changed(remove=[(e.ns, e.sha1, e.inode) for e in plan])
 
     def evict(self, need_bytes: int, protect: Iterable[Key] = (), *,
               dry_run: bool = False) -> list[Entry]:
@@ -208,9 +229,8 @@ class Budget:
             self.scanner.refresh_all(force=True)
             plan = plan_eviction(self.index, need_bytes, self.clock(), protect,
                                  groups=self._groups())
-            if not dry_run and plan:
+            if not dry_run:
                 self._delete(plan)
-                self.scanner.names_changed()
         return plan
 
     def gc_to(self, target_bytes: int, *, dry_run: bool = False) -> list[Entry]:

@@ -16,7 +16,7 @@ import hashlib
 import os
 import struct
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import xxhash
 
@@ -27,7 +27,11 @@ from vllm_kvdisk.core.format import (CHECKSUM, FLAG_DELTA, GROUP, GROUP_COUNT_AT
                                      UnsupportedFile, compute_offsets, unpack_groups,
                                      unpack_payload_fixed)
 from vllm_kvdisk.core.toolmap import MAX_KTM_BYTES, decode_tool_map
+from vllm_kvdisk.core.logs import get_logger
+from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage.fsdir import IOV_MAX
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,3 +333,29 @@ def read_tool_map(fd: int, meta: Meta) -> list[tuple[str, str]]:
     if xxhash.xxh3_64_intdigest(raw) != meta.payload.ktm_checksum:
         raise FormatError("checksum mismatch in the tool map")
     return decode_tool_map(raw)
+
+
+def read_indexable(dir_fd: int, sha1: str) -> tuple[Any, int]:
+    """((summary, size, inode, mtime ns) of one file, the exception it raised, or None
+    if gone; the descriptor it was read through, or -1). The caller closes it."""
+    try:
+        fd = fsdir.open_regular(f"{sha1}.kv", dir_fd)
+    except FileNotFoundError:
+        return None, -1
+    except OSError as exc:
+        return exc, -1
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        os.close(fd)
+        return exc, -1
+    try:
+        return (read_summary(fd, st.st_size), st.st_size, st.st_ino, st.st_mtime_ns), fd
+    except (FormatError, OSError) as exc:
+        exc.inode, exc.dev = st.st_ino, st.st_dev  # type: ignore[union-attr]
+        return exc, fd
+    except Exception as exc:  # noqa: BLE001 - a bug of ours, not proof of corruption
+        log.exception("kvdisk: cannot index %s.kv; leaving it alone", sha1)
+        found = UnsupportedFile(f"could not be indexed: {exc!r}")
+        found.inode = st.st_ino  # type: ignore[attr-defined]
+        return found, fd

@@ -27,7 +27,7 @@ import os
 import secrets
 import stat
 import time
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 TMP_PREFIX = ".tmp-"
@@ -257,3 +257,32 @@ def locked(dir_fd: int, timeout_s: float, name: str = ".lock") -> Iterator[int]:
         yield fd
     finally:
         os.close(fd)
+
+
+RACY_NS = 50_000_000  # above any kernel's timestamp tick (jiffies: 1-10 ms)
+
+
+def racy(mtime_ns: int, looked_ns: int) -> bool:
+    """Whether a directory whose mtime was read at ``looked_ns`` may still change without
+    that mtime moving: timestamps are coarse (a jiffy on ext4, a second on some file
+    systems), so a change in the same tick as the look leaves the same mtime. Such an
+    mtime is not remembered, and the next refresh lists the directory again."""
+    tick = 1_000_000_000 if mtime_ns % 1_000_000_000 == 0 else RACY_NS
+    return looked_ns - mtime_ns < tick
+
+
+def identity(st: os.stat_result) -> tuple[int, int, int]:
+    """What tells one file from another under one name: its inode alone does not, since a
+    freed inode is handed to the next file at once (ext4); a new file there has another
+    size or mtime, and a header changed in place (hits) has another mtime."""
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def same_file(dir_fd: int, name: str, known: Any) -> bool:
+    """Whether ``name`` in ``dir_fd`` still is the file ``known`` (an index entry: its
+    inode, size and mtime_ns) was (``identity``)."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return identity(st) == (known.inode, known.size, known.mtime_ns)

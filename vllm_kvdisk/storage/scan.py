@@ -34,7 +34,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from vllm_kvdisk.core.format import FormatError, UnsupportedFile
 from vllm_kvdisk.core.entry import Entry, entry_of
@@ -42,7 +42,8 @@ from vllm_kvdisk.core.index import Index
 from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage.directory import KV_NAME, Directory
-from vllm_kvdisk.storage.fileread import read_summary
+from vllm_kvdisk.storage.fileread import read_indexable
+from vllm_kvdisk.storage.journal import Change, Journal, replay
 
 if TYPE_CHECKING:
     from vllm_kvdisk.storage.lock import DirLock
@@ -50,23 +51,7 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-RACY_NS = 50_000_000  # above any kernel's timestamp tick (jiffies: 1-10 ms)
-
-
-def racy(mtime_ns: int, looked_ns: int) -> bool:
-    """Whether a directory whose mtime was read at ``looked_ns`` may still change without
-    that mtime moving: timestamps are coarse (a jiffy on ext4, a second on some file
-    systems), so a change in the same tick as the look leaves the same mtime. Such an
-    mtime is not remembered, and the next refresh lists the directory again."""
-    tick = 1_000_000_000 if mtime_ns % 1_000_000_000 == 0 else RACY_NS
-    return looked_ns - mtime_ns < tick
-
-
-def identity(st: os.stat_result) -> tuple[int, int, int]:
-    """What tells one file from another under one name: its inode alone does not, since a
-    freed inode is handed to the next file at once (ext4); a new file there has another
-    size or mtime, and a header changed in place (hits) has another mtime."""
-    return st.st_ino, st.st_size, st.st_mtime_ns
+COMPACT_LINES = 4096  # change lines after which the journal's snapshot is rewritten
 
 
 @dataclass(slots=True)
@@ -96,6 +81,8 @@ class Scanner:
         # The lock file's change count at which this index was last whole (see
         # names_changed; -1: whole, while the count was unknown; None: not known whole).
         self._whole_at: int | None = None
+        self.journal = Journal(directory.fd, readonly=directory.readonly)
+        self.reconciled = threading.Event()  # the listing after a start from the journal
 
     # -- scanning ---------------------------------------------------------------------
     def scan(self) -> None:
@@ -109,13 +96,76 @@ class Scanner:
             self._views.clear()
             self.rejected.clear()
             self.refresh_all(force=True)
+        self.reconciled.set()
+
+    def start_up(self, lock_timeout_s: float, *, background: bool = True) -> bool:
+        """Index the cache at start-up: from the journal when it is usable (one file read;
+        then one listing, in the background unless ``background`` is False, finds what it
+        missed), else by a scan, whose index then becomes the journal's snapshot. True if
+        it started from the journal."""
+        began = time.monotonic()
+        if self.start():
+            log.info("kvdisk: %d files indexed from %s/.journal in %.2f s", len(self.index),
+                     self.directory.root, time.monotonic() - began)
+            if background:
+                threading.Thread(target=self.reconcile, name="kvdisk-reconcile",
+                                 daemon=True).start()
+            else:
+                self.reconcile()
+            return True
+        self.scan()
+        self.write_snapshot(min(1.0, lock_timeout_s))
+        log.info("kvdisk: %d files indexed by a scan of %s in %.2f s", len(self.index),
+                 self.directory.root, time.monotonic() - began)
+        return False
+
+    def start(self) -> bool:
+        """Start from the journal (``journal``): its snapshot and the changes after it,
+        one file read instead of every file's header. False, with nothing indexed, when
+        there is no usable journal or it has a gap (the caller scans). What the journal
+        missed is found by ``reconcile``, which the caller runs in the background."""
+        self.reconciled.clear()
+        if self.directory.fd < 0:
+            return False
+        self.directory.clear_trash()
+        loaded = self.journal.load()
+        if loaded is None:
+            return False
+        with self._mutex:
+            self.index.clear()
+            self._views.clear()
+            self.rejected.clear()
+            self._whole_at = replay(self.index, None, loaded)
+            if self._whole_at is None:
+                self.index.clear()
+                return False
+        return True
+
+    def write_snapshot(self, timeout_s: float) -> bool:
+        """After a scan: make the index whole under the lock (waited on at most
+        ``timeout_s``) and write it as the journal's snapshot, so the next start reads one
+        file. False if the lock was busy or the snapshot could not be written."""
+        if self.directory.readonly or self.directory.fd < 0:
+            return False
+        try:
+            with self.lock.hold(timeout_s), self._mutex:
+                self.catch_up()
+                count = self.lock.count()
+                if count is None or self._whole_at != count:
+                    return False
+                return self.journal.compact(count, self.index.entries())
+        except fsdir.LockTimeout:
+            return False
 
     def refresh(self, ns: str, *, force: bool = False) -> bool:
-        """Pick up files other processes added, replaced or removed. Cheap when nothing
-        changed (one stat of the directory). Never raises for I/O errors: they are logged
-        and the index is left as it was."""
+        """Pick up files other processes added, replaced or removed: from the journal's
+        new lines while this view follows it, else by listing the namespace (cheap when
+        nothing changed: one stat of the directory); ``force`` lists. Never raises for
+        I/O errors: they are logged and the index is left as it was."""
         with self._mutex:
             try:
+                if not force and self._follow():
+                    return True
                 return self._refresh(ns, force)
             except OSError as exc:
                 self._whole_at = None
@@ -142,16 +192,38 @@ class Scanner:
         """Under the lock and the mutex: make the index whole, unless the lock's change
         count is where this view was last whole (then no name changed since)."""
         count = self.lock.count()
+        if count is not None and count != self._whole_at and self._follow():
+            if self._whole_at == count:
+                return  # the journal said what changed: nothing listed
         if count is None or count != self._whole_at:
             # Whole at this count (-1: whole, count unknown) unless the refresh finds a
             # file it cannot read.
             self._whole_at = -1 if count is None else count
             self.refresh_all()
+            self.journal.skip_to_end()  # every line there is in what was listed
 
-    def names_changed(self) -> None:
+    def _follow(self) -> bool:
+        """Under the mutex: apply the journal's new lines to an index whole at a known
+        count. False (and the view not whole) at a gap or when the journal cannot be read."""
+        if self._whole_at is None or self._whole_at < 0:
+            return False
+        got = self.journal.follow()
+        if got is None:
+            return False
+        self._whole_at = replay(self.index, self._whole_at, got)
+        return self._whole_at is not None
+
+    def journaled(self) -> bool:
+        """Whether this view follows the journal (refreshes read its lines, not listings)."""
+        return self._whole_at is not None and self._whole_at >= 0
+
+    def names_changed(self, *, add: Iterable[Entry] = (),
+                      remove: Iterable[tuple[str, str, int | None]] = (),
+                      gone: Iterable[str] = ()) -> None:
         """Under the lock, after this store renamed or deleted checkpoint names and told
-        its own index: count the change for the other stores; this view stays whole if
-        it was."""
+        its own index: count the change and journal what it was, for the other stores;
+        this view stays whole if it was. The journal is rewritten when its change lines
+        outgrow the snapshot (or there is none yet) and this view is whole."""
         counted = self.lock.count_change()
         if counted is None:
             self._whole_at = None  # unknown to every store: each lists at every save
@@ -160,6 +232,10 @@ class Scanner:
         whole = self._whole_at is not None and self._whole_at == (-1 if before is None
                                                                    else before)
         self._whole_at = after if whole else None
+        appended = before is not None and self.journal.append(
+            Change(before, after, list(add), list(remove), list(gone)))
+        if whole and (not appended or self.journal.lines > max(COMPACT_LINES, len(self.index))):
+            self.journal.compact(after, self.index.entries())
 
     def not_whole(self) -> None:
         """A file left the index without its name changing: list again at the next save."""
@@ -183,23 +259,13 @@ class Scanner:
         mtime = os.fstat(state.fd).st_mtime_ns
         if not force and mtime == view.mtime_ns:
             return False
-        listed: dict[str, int] = {}  # sha1 -> inode
-        now = self.clock()
-        with os.scandir(state.fd) as it:
-            for de in it:
-                if KV_NAME.match(de.name):
-                    if de.is_file(follow_symlinks=False):
-                        listed[de.name[:40]] = de.inode()
-                elif de.name.startswith(fsdir.TMP_PREFIX) and not self.directory.readonly:
-                    if fsdir.writer_gone(state.fd, de.name, now):
-                        with contextlib.suppress(OSError):
-                            os.unlink(de.name, dir_fd=state.fd)
+        listed = self._list(state.fd)
         for entry in self.index.namespace_entries(ns):
             # Deleted or replaced by another process; when forced (every eviction decision
             # and verify), also replaced on this file's freed inode, or its header changed
             # in place (hits): a stat per file, 4 us each, so not at every lookup's refresh.
-            if listed.get(entry.sha1) != entry.inode or (force and not same_file(
-                    state.fd, entry)):
+            if listed.get(entry.sha1) != entry.inode or (force and not fsdir.same_file(
+                    state.fd, f"{entry.sha1}.kv", entry)):
                 self.index.remove(ns, entry.sha1)
         todo = [sha1 for sha1, inode in listed.items() if (ns, sha1) not in self.index
                 and view.skipped.get(sha1, (None,))[0] != inode]
@@ -210,10 +276,79 @@ class Scanner:
             del view.skipped[sha1]
         # A file we could not read right now keeps the directory "changed", so the next
         # refresh tries it again; so does an mtime too recent to be trusted.
-        view.mtime_ns = mtime if complete and not racy(mtime, looked_ns) else -1
+        view.mtime_ns = mtime if complete and not fsdir.racy(mtime, looked_ns) else -1
         if not complete:
             self._whole_at = None  # a file is missing from the index: list again
         return True
+
+    def _list(self, dir_fd: int) -> dict[str, int]:
+        """sha1 -> inode of the checkpoint files listed; temp files of dead writers go."""
+        listed: dict[str, int] = {}
+        now = self.clock()
+        with os.scandir(dir_fd) as it:
+            for de in it:
+                if KV_NAME.match(de.name):
+                    if de.is_file(follow_symlinks=False):
+                        listed[de.name[:40]] = de.inode()
+                elif de.name.startswith(fsdir.TMP_PREFIX) and not self.directory.readonly:
+                    if fsdir.writer_gone(dir_fd, de.name, now):
+                        with contextlib.suppress(OSError):
+                            os.unlink(de.name, dir_fd=dir_fd)
+        return listed
+
+    def reconcile(self) -> None:
+        """After a start from the journal: list every namespace once, outside the mutex
+        (seconds for 100k files on a network file system, lookups go on meanwhile), and
+        index what the journal missed: files of a writer killed before its line, files
+        deleted without the lock, temp files of dead writers."""
+        try:
+            for ns in self.directory.namespaces():
+                with self._mutex:
+                    state = self.directory.namespace(ns)
+                    if state is None:
+                        continue
+                    dir_fd = os.dup(state.fd)
+                    known = {e.sha1: e for e in self.index.namespace_entries(ns)}
+                try:
+                    listed = self._list(dir_fd)
+                    with self._mutex:
+                        self._settle(ns, dir_fd, known, listed)
+                finally:
+                    os.close(dir_fd)
+        except OSError as exc:
+            log.warning("kvdisk: could not list %s: %s", self.directory.root, exc)
+        finally:
+            self.reconciled.set()
+
+    def _settle(self, ns: str, dir_fd: int, known: dict[str, Entry],
+                listed: dict[str, int]) -> None:
+        for sha1, entry in known.items():
+            if (sha1 not in listed and self.index.get(ns, sha1) is entry
+                    and not fsdir.same_file(dir_fd, f"{sha1}.kv", entry)):
+                self.index.remove(ns, sha1)
+        view = self._views.setdefault(ns, _View())
+        todo = [sha1 for sha1, inode in listed.items() if (ns, sha1) not in self.index
+                and view.skipped.get(sha1, (None,))[0] != inode]
+        for sha1, found in self._read_files(dir_fd, todo):
+            self._index_file(ns, view, sha1, found)
+
+    def verify_victims(self, plan: list[Entry]) -> bool:
+        """Under the lock and the mutex, before an eviction: whether each victim's name
+        still is the file its entry describes (a stat each, not a listing). One that is
+        not is forgotten or read again (another replica's hits moved its mtime, or
+        another file took its name or inode); the caller plans again."""
+        same = True
+        for entry in plan:
+            state = self.directory.namespace(entry.ns)
+            if state is not None and fsdir.same_file(state.fd, f"{entry.sha1}.kv", entry):
+                continue
+            same = False
+            self.index.remove(entry.ns, entry.sha1)
+            if state is not None:
+                view = self._views.setdefault(entry.ns, _View())
+                for sha1, found in self._read_files(state.fd, [entry.sha1]):
+                    self._index_file(entry.ns, view, sha1, found)
+        return same
 
     def _read_files(self, dir_fd: int, names: list[str]) -> Iterator[tuple[str, Any]]:
         """Read the first bytes of many files, saying every 10 s how far a long scan is (a
@@ -222,7 +357,7 @@ class Scanner:
         corrupt file is quarantined by the identity it was read through."""
         started = last = time.monotonic()
         for done, name in enumerate(names, start=1):
-            found, fd = _read_one(dir_fd, name)
+            found, fd = read_indexable(dir_fd, name)
             try:
                 yield name, found
             finally:
@@ -257,38 +392,3 @@ class Scanner:
         self.stats.unreadable += 1
         log.warning("kvdisk: cannot read %s/%s.kv now (%s); will try again", ns, sha1, exc)
         return False
-
-
-def same_file(dir_fd: int, entry: Entry) -> bool:
-    """Whether ``entry``'s name in ``dir_fd`` still is the file it was (``identity``)."""
-    try:
-        st = os.stat(f"{entry.sha1}.kv", dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return identity(st) == (entry.inode, entry.size, entry.mtime_ns)
-
-
-def _read_one(dir_fd: int, sha1: str) -> tuple[Any, int]:
-    """((summary, size, inode, mtime ns) of one file, the exception it raised, or None
-    if gone; the descriptor it was read through, or -1). The caller closes it."""
-    try:
-        fd = fsdir.open_regular(f"{sha1}.kv", dir_fd)
-    except FileNotFoundError:
-        return None, -1
-    except OSError as exc:
-        return exc, -1
-    try:
-        st = os.fstat(fd)
-    except OSError as exc:
-        os.close(fd)
-        return exc, -1
-    try:
-        return (read_summary(fd, st.st_size), st.st_size, st.st_ino, st.st_mtime_ns), fd
-    except (FormatError, OSError) as exc:
-        exc.inode, exc.dev = st.st_ino, st.st_dev  # type: ignore[union-attr]
-        return exc, fd
-    except Exception as exc:  # noqa: BLE001 - a bug of ours, not proof of corruption
-        log.exception("kvdisk: cannot index %s.kv; leaving it alone", sha1)
-        found = UnsupportedFile(f"could not be indexed: {exc!r}")
-        found.inode = st.st_ino  # type: ignore[attr-defined]
-        return found, fd

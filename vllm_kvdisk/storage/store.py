@@ -5,7 +5,8 @@ A :class:`Store` owns four parts, each handed what it needs:
 * ``directory`` (:mod:`.directory`): the root and namespace descriptors, what each
   namespace says it is, temp files, removing namespaces;
 * ``lock`` (:mod:`.lock`): ``ROOT/.lock`` and its count of name changes;
-* ``scanner`` (:mod:`.scan`): keeps ``index`` in step with the directory;
+* ``scanner`` (:mod:`.scan`): keeps ``index`` in step with the directory, through the
+  journal of name changes (:mod:`.journal`) where it can;
 * ``budget`` (:mod:`.budget`): writes and evictions under one budget.
 
 It does itself what needs all of them: reads (stored ids, cached), hit counts, and the
@@ -15,21 +16,18 @@ waiting for ``ROOT/.lock``.
 
 Invariants:
 * A ``.kv`` name appears only after its bytes are written and fsynced, and only while its
-  parent is on disk: the rename happens under the lock after the parent was seen (a
-  refresh never trusts an mtime read within a timestamp tick of the change: ``scan.racy``),
-  and never over a file of that name (same text, maybe other ids: the save is skipped).
-* Budget and free-space decisions are made under the lock from the directory as it is
-  (a re-listing, unless the lock file's change count shows no name changed since this
-  store's last whole view; evictions always re-list), counting every process's files,
-  so N replicas keep one budget; a new file and its ancestors are never leaves of its
-  own eviction plan; a save that cannot fit (an unreachable watermark) is skipped and
-  evicts nothing.
+  parent is on disk (stat'ed under the lock), never over a file of that name (same text,
+  maybe other ids: the save is skipped).
+* Budget and free-space decisions are made under the lock, from an index caught up with
+  every process's counted changes (the journal's lines, or a listing when it cannot say),
+  each eviction victim stat'ed first, so N replicas keep one budget; a new file and its
+  ancestors are never leaves of its own eviction plan; a save that cannot fit is skipped
+  and evicts nothing.
 * Only a file proven corrupt in this build's format version is quarantined. A file of
   another version is left alone; one that cannot be read right now (EIO, ESTALE, EMFILE)
   is skipped and tried again at the next refresh.
-* An entry remembers its file's (inode, size, mtime), so a file replaced by another
-  process is re-indexed, never mistaken for corrupt, even on the inode its predecessor
-  freed (seen by a forced refresh, before evictions).
+* An entry remembers its file's (inode, size, mtime): a file replaced by another process
+  is re-indexed, never mistaken for corrupt, even on the inode its predecessor freed.
 * A file is quarantined only while the descriptor it was proven corrupt through is open,
   and only if its name still is that file, checked and renamed under ``ROOT/.lock`` (the
   lock every writer renames under): a sound replacement is never the one moved.
@@ -62,7 +60,7 @@ from vllm_kvdisk.storage.directory import Directory
 from vllm_kvdisk.storage.fileread import Meta, read_meta, read_text, read_token_range
 from vllm_kvdisk.storage.lock import LOCK_TIMEOUT_S, DirLock
 from vllm_kvdisk.storage.quarantine import Quarantine
-from vllm_kvdisk.storage.scan import Scanner, identity
+from vllm_kvdisk.storage.scan import Scanner
 from vllm_kvdisk.storage.stats import StoreStats
 
 log = get_logger(__name__)
@@ -148,6 +146,9 @@ class Store:
     # -- delegated to the parts, one line each ---------------------------------------
     def scan(self) -> None:
         self.scanner.scan()
+
+    def start(self, *, background: bool = True) -> bool:
+        return self.scanner.start_up(self.lock_timeout_s, background=background)
 
     def refresh(self, ns: str, *, force: bool = False) -> bool:
         return self.scanner.refresh(ns, force=force)
@@ -333,7 +334,7 @@ class Store:
             with self.lock.hold(None if wait else 0.0):
                 moved = self._quarantined.move(state.fd, ns, sha1, why, inode, dev)
                 if moved:
-                    self.scanner.names_changed()
+                    self.scanner.names_changed(remove=[(ns, sha1, inode)])
         except fsdir.LockTimeout:
             return None
         if moved:
@@ -367,9 +368,10 @@ class Store:
                 name = f"{entry.sha1}.kv"
                 with contextlib.suppress(FileNotFoundError):
                     st = os.stat(name, dir_fd=state.fd, follow_symlinks=False)
-                    if identity(st) == (entry.inode, entry.size, entry.mtime_ns):
+                    if fsdir.identity(st) == (entry.inode, entry.size, entry.mtime_ns):
                         os.unlink(name, dir_fd=state.fd)
-                        self.scanner.names_changed()
+                        self.scanner.names_changed(remove=[(entry.ns, entry.sha1,
+                                                            entry.inode)])
             return found
 
     def remove_file(self, ns: str, sha1: str) -> None:
@@ -380,7 +382,7 @@ class Store:
             if state is not None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(f"{sha1}.kv", dir_fd=state.fd)
-                    self.scanner.names_changed()
+                    self.scanner.names_changed(remove=[(ns, sha1, None)])
 
     def remove_namespace(self, ns: str, *, wait: bool = True) -> int:
         """Remove a whole namespace; returns the files removed. The directory is renamed
@@ -393,6 +395,6 @@ class Store:
             trash = self.directory.rename_away(ns, int(self.clock() * 1000))
             if trash is None:
                 return 0
-            self.scanner.names_changed()
+            self.scanner.names_changed(gone=[ns])
             self.directory.namespace(ns)  # forget its descriptor and entries
         return self.directory.delete_tree(trash, wait=wait)
