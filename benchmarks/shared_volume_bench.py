@@ -9,12 +9,14 @@ uses directories that exist (two mounts of one network volume, and a local one).
 each file count, the same checkpoint files are written to the local directory and,
 through mount A, to the volume; then, each side by side:
 
-* start-up scan: a new store indexes every file from its first bytes, first through the
-  client that did not write them (mount B: a replica starting), then once more;
-* refresh with nothing changed (one stat), and the re-listing after another client added
-  one file (every save after another replica's change pays it);
-* a save when nothing changed since this store's last look (no listing), and a save that
-  must evict (a forced refresh: a listing and a stat per file);
+* start-up: a scan that reads every file's first bytes (no journal yet), through the
+  client that did not write them (mount B: a replica starting); writing the journal's
+  snapshot; a start from the journal (one file); the listing a started store runs once
+  in the background to find what the journal missed;
+* a refresh with nothing changed, and the one after another client saved a file (the
+  journal's new line, read through the other mount);
+* a save when nothing changed since this store's last look, one after another client's
+  save, and a save that must evict (its victims stat'ed, nothing listed);
 * a lookup at first sight: a two-file chain used whole (no I/O), and the read of a
   file's stored ids that a lookup leaving a file inside costs, once per file;
 * ``--io``: save and restore bandwidth of the worker's I/O path (``io_bench.py``) against a
@@ -85,7 +87,7 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def one_file(store: Store, ns: str, seed: int) -> None:
+def one_file(store: Store, ns: str, seed: int) -> str:
     """Save one small root checkpoint through ``store`` (the real write path: temp file,
     fsync, the lock, the rename)."""
     prompt = Prompt(table(), np.random.default_rng(10_000 + seed).integers(0, 256, 200))
@@ -94,19 +96,21 @@ def one_file(store: Store, ns: str, seed: int) -> None:
                       layers=[bytes(LAYOUT.page_bytes)], layout=LAYOUT, fingerprint=FP.digest(),
                       kv_dtype="float32", context_size=8192, now=1_700_000_000)
     store.write(ns, plan.sha1, enc)
+    return plan.sha1
 
 
-def wait_refresh(store: Store, ns: str, deadline_s: float = 10.0) -> float:
-    """Seconds of the refresh call that found another client's change (earlier calls may
-    still see the old directory mtime from the client's attribute cache)."""
+def wait_refresh(store: Store, ns: str, sha1: str, deadline_s: float = 10.0) -> float:
+    """Seconds of the refresh call that indexed another client's file ``sha1`` (earlier
+    calls may not see it yet through this client's caches)."""
     end = time.monotonic() + deadline_s
     while True:
         t0 = time.perf_counter()
-        if store.refresh(ns):
-            return time.perf_counter() - t0
+        store.refresh(ns)
+        took = time.perf_counter() - t0
+        if store.index.get(ns, sha1) is not None:
+            return took
         if time.monotonic() > end:
-            raise SystemExit("another client's new file was not seen within "
-                             f"{deadline_s:g} s")
+            raise SystemExit(f"another client's new file was not seen within {deadline_s:g} s")
         time.sleep(0.05)
 
 
@@ -114,21 +118,25 @@ def measure(root: str, other: str, n: int) -> dict[str, float]:
     """``root``: the directory as the writer sees it; ``other``: the same directory through
     another client (the local disk: itself)."""
     out: dict[str, float] = {}
-    scans = []
-    for _ in range(2):
-        store = Store(other, space_bytes=1 << 50)
-        scans.append(timed(store.scan))
-        if len(store.index) != n:
-            raise SystemExit(f"scan of {other} found {len(store.index)} of {n} files")
-    out["scan, first"], out["scan, again"] = scans
+    store = Store(other, space_bytes=1 << 50)
+    out["start-up scan, every header (no journal)"] = timed(store.scan)
+    if len(store.index) != n:
+        raise SystemExit(f"scan of {other} found {len(store.index)} of {n} files")
+    out["journal snapshot written"] = timed(lambda: store.scanner.write_snapshot(60))
+    store = Store(other, space_bytes=1 << 50)
+    out["start-up from the journal"] = timed(store.scanner.start)
+    if len(store.index) != n:
+        raise SystemExit(f"the journal gave {len(store.index)} of {n} files")
+    out["listing after a start (background)"] = timed(store.scanner.reconcile)
     ns = store.namespaces()[0]
     out["refresh, nothing changed"] = statistics.median(
         timed(lambda: store.refresh(ns)) for _ in range(20))
     writer = Store(root, space_bytes=1 << 50)
-    writer.scan()
-    one_file(writer, ns, 0)
-    out["refresh after another client's save"] = wait_refresh(store, ns)
-    one_file(store, ns, 1)  # its first save lists once (the count is new to it)
+    if not writer.scanner.start():
+        raise SystemExit("the writer did not start from the journal")
+    out["refresh after another client's save"] = wait_refresh(store, ns,
+                                                               one_file(writer, ns, 0))
+    one_file(store, ns, 1)
     out["save, nothing changed since"] = statistics.median(
         timed(lambda i=i: one_file(store, ns, 10 + i)) for i in range(5))
     one_file(writer, ns, 2)
@@ -145,7 +153,7 @@ def measure(root: str, other: str, n: int) -> dict[str, float]:
     out["lookup, chain used whole"] = statistics.median(
         timed(lambda: planner.lookup(ns, ids, len(ids) - 1)) for _ in range(20))
     fresh = Store(other, space_bytes=1 << 50)  # a lookup that uses a file partly reads
-    fresh.scan()                                # its stored ids, once: at first sight
+    fresh.scanner.start()                       # its stored ids, once: at first sight
     entry = fresh.index.get(ns, whole.segments[-1].entry.sha1)
     out["stored ids of a file, first sight"] = timed(
         lambda: fresh.read_ids(entry, 0, entry.tokens))

@@ -184,3 +184,29 @@ def test_a_victim_another_replica_hit_is_read_again_before_it_goes(tmp_path):
     save(b, ns, prompt(3, vocab=256), 48, rng)
     assert b.index.get(ns, hot.sha1) is not None and b.index.get(ns, cold.sha1) is None
     assert b.index.get(ns, hot.sha1).hits == 20
+
+
+def test_a_replica_that_meets_a_gap_lists_then_follows_the_next_snapshot(tmp_path,
+                                                                         monkeypatch):
+    """A change line that never came (its writer died after counting it): the reader that
+    finds the next line cannot chain to it, lists instead of guessing, and follows the
+    journal again once a whole store rewrote the snapshot."""
+    a, ns = filled(tmp_path, files=1)
+    b = Store(a.root, space_bytes=1 << 30)
+    assert b.scanner.start()
+    rng = np.random.default_rng(6)
+    real_append = a.scanner.journal.append
+    monkeypatch.setattr(a.scanner.journal, "append", lambda change: False)
+    monkeypatch.setattr(a.scanner.journal, "compact", lambda count, entries: False)
+    lost, _ = save(a, ns, prompt(30, vocab=256), 48, rng)
+    monkeypatch.setattr(a.scanner.journal, "append", real_append)
+    after, _ = save(a, ns, prompt(31, vocab=256), 48, rng)
+    b.refresh(ns)
+    assert not b.scanner.journaled()  # the gap: this refresh listed
+    assert b.index.get(ns, lost.sha1) is not None and b.index.get(ns, after.sha1) is not None
+    monkeypatch.undo()
+    a.remove_file(ns, lost.sha1)
+    assert a.scanner.write_snapshot(1.0)  # what a whole store does when lines pile up
+    b.refresh(ns)
+    assert b.scanner.journaled() and b.index.get(ns, lost.sha1) is None
+    assert view(b) == truth(a.root)

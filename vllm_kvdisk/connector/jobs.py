@@ -86,7 +86,8 @@ class StepMeta(KVConnectorMetadata):
 class WorkerReport(KVConnectorWorkerMetadata):
     written: list[Entry] = field(default_factory=list)  # index entries of files that landed
     failed_saves: list[tuple[str, str]] = field(default_factory=list)  # (ns, sha1)
-    removed: list[tuple[str, str]] = field(default_factory=list)  # evicted, quarantined, stale
+    removed: list[tuple[str, str]] = field(default_factory=list)  # evicted (journaled)
+    stale: list[tuple[str, str]] = field(default_factory=list)  # a load found it gone or bad
     failed_loads: list[str] = field(default_factory=list)  # req ids whose load fell short
     loads: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds)
     steps: list[tuple[int, float]] = field(default_factory=list)  # (tokens, forward seconds)
@@ -97,6 +98,7 @@ class WorkerReport(KVConnectorWorkerMetadata):
             self.written += other.written
             self.failed_saves += other.failed_saves
             self.removed += other.removed
+            self.stale += other.stale
             self.failed_loads += other.failed_loads
             self.loads += other.loads
             self.steps += other.steps
@@ -104,5 +106,5 @@ class WorkerReport(KVConnectorWorkerMetadata):
         return self
 
     def __bool__(self) -> bool:
-        return bool(self.written or self.failed_saves or self.removed or self.failed_loads
-                    or self.loads or self.steps or self.copied)
+        return bool(self.written or self.failed_saves or self.removed or self.stale
+                    or self.failed_loads or self.loads or self.steps or self.copied)

@@ -104,7 +104,7 @@ class Loads:
             log.warning("kvdisk: load of %s skipped: %s", sha1, exc)
             self.store.forget(ns, sha1)
         with self._lock:
-            self._report().removed.append((ns, sha1))
+            self._report().stale.append((ns, sha1))
         self.trace.load_failed(sha1, str(exc), blocks)
 
     def _touch_later(self, ns: str, sha1s: list[str]) -> None:

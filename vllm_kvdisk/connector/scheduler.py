@@ -310,10 +310,12 @@ class SchedulerSide:
         for ns, sha1 in report.failed_saves:
             index.release(ns, sha1)
             self.events.dropped((ns, sha1))
-        for ns, sha1 in report.removed:
+        for ns, sha1 in report.removed + report.stale:
             index.remove(ns, sha1)
             self.events.removed((ns, sha1))
-            self._stale.add(ns)
+        # A load found these gone or corrupt: maybe deleted by hand, which no journal line
+        # says, so the namespace is listed at the next lookup. Evictions are journaled.
+        self._stale.update(ns for ns, _ in report.stale)
         for nbytes, seconds in report.loads:
             self.cost.observe_load(nbytes, seconds)
         for tokens, seconds in report.steps:

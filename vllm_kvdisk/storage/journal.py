@@ -234,6 +234,8 @@ class Journal:
             return Loaded(int(header["count"]), entries, changes)
         except (JournalError, OSError, RecursionError) as exc:
             log.warning("kvdisk: journal %s/%s not used: %s", self._root_name(), NAME, exc)
+            with contextlib.suppress(OSError):
+                self._at = (os.fstat(fd).st_ino, -1)  # not read again until replaced
             return None
         finally:
             os.close(fd)
@@ -256,8 +258,8 @@ class Journal:
                 return self.load()
             data = self._read_all(fd, offset)
             lines, used = _lines(data)
+            self._at = (inode, offset + used)  # a bad line is not read twice
             changes = [parse_change(line) for line in lines]
-            self._at = (inode, offset + used)
             self.lines += len(changes)
             return changes
         except (JournalError, OSError, RecursionError) as exc:
@@ -283,9 +285,31 @@ class Journal:
 
     @staticmethod
     def _complete_end(fd: int) -> int:
+        """The offset after the last complete line (reading back from the end: one byte
+        when the file ends with a whole line, as it does unless a writer was killed)."""
         size = os.fstat(fd).st_size
-        tail = os.pread(fd, min(size, MAX_LINE_BYTES), max(0, size - MAX_LINE_BYTES))
-        return size - len(tail) + tail.rfind(b"\n") + 1
+        if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+            return size
+        end = size - 1
+        while end > 0:
+            start = max(0, end - (64 << 10))
+            at = os.pread(fd, end - start, start).rfind(b"\n")
+            if at >= 0:
+                return start + at + 1
+            end = start
+        return 0
+
+    def replaced(self) -> bool:
+        """Whether another file than the one this store read is under the name now (a
+        rewritten snapshot): a store that lost the thread may start again from it (one
+        that never read the journal does not: it scanned, and lists)."""
+        if self._at is None:
+            return False
+        try:
+            st = os.stat(NAME, dir_fd=self.root_fd, follow_symlinks=False)
+        except OSError:
+            return False
+        return st.st_ino != self._at[0]
 
     # -- writing (under the lock) -----------------------------------------------------
     def append(self, change: Change) -> bool:

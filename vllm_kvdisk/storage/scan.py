@@ -205,10 +205,14 @@ class Scanner:
     def _follow(self) -> bool:
         """Under the mutex: apply the journal's new lines to an index whole at a known
         count. False (and the view not whole) at a gap or when the journal cannot be read."""
-        if self._whole_at is None or self._whole_at < 0:
+        if self._whole_at is None and self.journal.replaced():
+            got = self.journal.load()  # a new snapshot: follow again from there
+        elif self._whole_at is None or self._whole_at < 0:
             return False
-        got = self.journal.follow()
+        else:
+            got = self.journal.follow()
         if got is None:
+            self._whole_at = None  # a line that cannot be read: list when whole matters
             return False
         self._whole_at = replay(self.index, self._whole_at, got)
         return self._whole_at is not None
