@@ -20,7 +20,7 @@ from workers import BLOCK, FP, load_job, make_worker, save_job
 from vllm_kvdisk.storage import fileread as fmt
 from vllm_kvdisk.connector import restore as restore_mod
 from vllm_kvdisk.core.config import load_config
-from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, Scope
+from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, Scope, StepMeta
 from vllm_kvdisk.core.keys import Fingerprint
 from vllm_kvdisk.connector.worker import WorkerSide
 
@@ -307,3 +307,18 @@ def test_every_tp_rank_restores_its_own_file_of_a_job_planned_from_rank_0s_index
     finally:
         for w, _, _ in ranks:
             w.shutdown()
+
+
+def test_a_step_that_computes_waits_for_no_load(side, monkeypatch):
+    """A pending load may be waited on (briefly) only in a step that computes nothing.
+    ``wait_for_save`` ends the step's timing before vLLM asks for the results, and the
+    flag read there said "idle" in every step: each step decoding other requests could
+    stall while someone's restore was in flight."""
+    w, _, _ = side
+    asked = []
+    monkeypatch.setattr(w.loads, "finished", lambda idle: (asked.append(idle), set())[1])
+    for tokens in (7, 0):
+        w.bind_connector_metadata(StepMeta(step_tokens=tokens))
+        w.wait_for_save(StepMeta(step_tokens=tokens))
+        w.get_finished(set())
+    assert asked == [False, True]

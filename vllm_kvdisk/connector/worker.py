@@ -92,6 +92,7 @@ class WorkerSide:
         self.staging_peak = 0  # the most _staged has been (a gauge: how near the cap)
         self._staging_cap = config.kv_disk_staging_inflight_mb << 20
         self._step: tuple[int, float] = (0, 0.0)  # (tokens, start) of the step in flight
+        self._idle = True  # the step in flight computes nothing (kept past its timing)
         self.loads = Loads(store=self.store, stats=self.stats, trace=self.trace,
                            namespaces=self.namespaces, block_size=block_size,
                            io_threads=config.kv_disk_io_threads,
@@ -145,6 +146,7 @@ class WorkerSide:
     # -- step timing (for the cost-aware load policy) ---------------------------------
     def bind_connector_metadata(self, meta: StepMeta) -> None:
         self._step = (meta.step_tokens, time.perf_counter())
+        self._idle = meta.step_tokens == 0
 
     def _step_computed(self) -> None:
         tokens, started = self._step
@@ -355,7 +357,9 @@ class WorkerSide:
 
     # -- step results -----------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        recving = self.loads.finished(idle=self._step[0] == 0)
+        # Not self._step: wait_for_save ended its timing before vLLM asks for results,
+        # and an idle wait in a step that decodes other requests would slow them all.
+        recving = self.loads.finished(idle=self._idle)
         self._finished.append(set(finished_req_ids))
         recent = set().union(*self._finished)
         with self._lock:  # held blocks go back once no copy of the request is running
