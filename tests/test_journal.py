@@ -210,3 +210,15 @@ def test_a_replica_that_meets_a_gap_lists_then_follows_the_next_snapshot(tmp_pat
     b.refresh(ns)
     assert b.scanner.journaled() and b.index.get(ns, lost.sha1) is None
     assert view(b) == truth(a.root)
+
+
+def test_a_cache_that_never_counted_gets_a_journal_at_its_first_start(tmp_path):
+    """Files written by an older kvdisk (no count in the lock file, no journal): the first
+    start scans them and writes the snapshot, and the next start reads it."""
+    a, ns = filled(tmp_path, files=2)
+    os.unlink(os.path.join(a.root, NAME))
+    os.truncate(os.path.join(a.root, ".lock"), 0)
+    first = Store(a.root, space_bytes=1 << 30)
+    assert first.start(background=False) is False  # scanned
+    second = Store(a.root, space_bytes=1 << 30)
+    assert second.scanner.start() and view(second) == truth(a.root)

@@ -149,9 +149,11 @@ class PageMover:
         # Host-resident contiguous layers (the CPU backend): plain byte views, so copies
         # are numpy row copies with no allocation at all.
         self._host: list[np.ndarray] | None = None
+        self._host_bytes: list[memoryview] = []  # each layer as one flat byte view
         if host_copies and self.device.type == "cpu" and all(t.is_contiguous() for t in layers):
             self._host = [t.view(torch.uint8).reshape(self.num_blocks, -1).numpy()
                           for t in layers]
+            self._host_bytes = [memoryview(a).cast("B") for a in self._host]
         self._cuda = streams if streams is not None else (
             CudaStreams(self.device) if self.device.type == "cuda" else None)
 
@@ -233,8 +235,12 @@ class PageMover:
         """Byte views of one layer's pages for ``runs`` (from ``block_runs``)."""
         if self._host is None:
             raise RuntimeError("the KV cache is not host-resident")
-        pages = self._host[layer]
-        return [memoryview(pages[first:first + count].reshape(-1)) for first, count in runs]
+        # Slices of one flat byte view: a numpy slice, reshape and memoryview per run cost
+        # ~5x more (1.2-1.7 ms for 312 runs x 8 layers, on the restore's critical path).
+        # Runs come from block_runs (ids checked); a slice past the end would come out
+        # short, and read_layers_into refuses buffers of the wrong size.
+        flat, pb = self._host_bytes[layer], self.page_bytes
+        return [flat[first * pb:(first + count) * pb] for first, count in runs]
 
     def scatter(self, layer: int, block_ids: Sequence[int], pages: np.ndarray) -> None:
         """Write host ``pages`` (n x page_bytes bytes) into blocks ``block_ids`` of one layer."""

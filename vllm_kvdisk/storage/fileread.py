@@ -225,11 +225,11 @@ def read_layers_into(fd: int, meta: Meta, first: int,
 
     Each item is one byte buffer of exactly the layer's bytes, or a list of byte buffers
     that together hold exactly them in file order (e.g. runs of the engine's own blocks,
-    so pages land where they are used with no extra copy). Consecutive layers are
-    contiguous in the file, so all of them are read by one preadv (batched by IOV_MAX):
-    few system calls, because inside a busy engine process every return from one waits
-    for the GIL. Then one hash pass per layer. On a checksum mismatch the buffers hold
-    unverified bytes: the caller must treat them as garbage.
+    so pages land where they are used with no extra copy). Each layer is read by one
+    preadv (batched by IOV_MAX: few system calls, because inside a busy engine process
+    every return from one waits for the GIL) and hashed at once, while its bytes are in
+    the CPU's caches. On a checksum mismatch the buffers hold unverified bytes: the
+    caller must treat them as garbage.
     """
     layers = [[out] if isinstance(out, memoryview) else list(out) for out in outs]
     if first < 0 or first + len(layers) > meta.payload.layout.num_layers:
@@ -238,9 +238,10 @@ def read_layers_into(fd: int, meta: Meta, first: int,
         have, want = sum(v.nbytes for v in views), meta.offsets.layer_size(first + i)
         if have != want:
             raise ValueError(f"buffers of {have} bytes for layer {first + i} of {want}")
-    _preadv_exact(fd, [v for views in layers for v in views], meta.offsets.layer(first),
-                  f"layers {first}..{first + len(layers) - 1}")
     for i, views in enumerate(layers):
+        # Each layer hashed right after its read, while its bytes are still in the CPU's
+        # caches (a second pass over all of them from memory cost ~1.5x the read).
+        _preadv_exact(fd, views, meta.offsets.layer(first + i), f"layer {first + i}")
         hasher = xxhash.xxh3_64()
         for view in views:
             hasher.update(view)

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
-from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Iterable
 
+from vllm_kvdisk.core.changes import (FIELDS, Change, JournalError, Loaded, change_line,
+                                      count_of, entry_row, parse_change, row_entry)
 from vllm_kvdisk.core.entry import Entry
-from vllm_kvdisk.core.index import Index
-from vllm_kvdisk.core.format import Reason
 from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.storage import fsdir
 
@@ -44,108 +44,10 @@ log = get_logger(__name__)
 
 NAME = ".journal"
 VERSION = 1
-FIELDS = ("ns", "sha1", "tokens", "parent", "parent_tokens", "reason", "hits", "created",
-          "last_used", "size", "token_digest", "head", "ids_at", "inode", "mtime_ns")
 MAX_HEADER_BYTES = 4096
-MAX_LINE_BYTES = 64 << 20  # one change line; an eviction of many files is one line
-_INTS = tuple(f for f in FIELDS if f not in ("ns", "sha1", "parent", "reason"))
-
-
-class JournalError(ValueError):
-    """The journal cannot be used (torn, foreign, hostile): the store lists instead."""
-
-
-@dataclass(slots=True)
-class Change:
-    """One counted change of names: the lock's count ``before`` -> ``after``."""
-
-    before: int
-    after: int
-    add: list[Entry] = field(default_factory=list)
-    remove: list[tuple[str, str, int | None]] = field(default_factory=list)
-    gone: list[str] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class Loaded:
-    """A whole journal: the snapshot's entries at ``count``, then the changes after it."""
-
-    count: int
-    entries: list[Entry]
-    changes: list[Change]
-
-
-def entry_row(e: Entry) -> list[Any]:
-    return [e.ns, e.sha1, e.tokens, e.parent, e.parent_tokens, int(e.reason), e.hits,
-            e.created, e.last_used, e.size, e.token_digest, e.head, e.ids_at, e.inode,
-            e.mtime_ns]
-
-
-def row_entry(row: Any) -> Entry:
-    """An entry from its row; JournalError for anything a writer of ours never wrote."""
-    if not isinstance(row, list) or len(row) != len(FIELDS):
-        raise JournalError("entry row of the wrong shape")
-    d = dict(zip(FIELDS, row))
-    if not (_hex(d["ns"], 16) and _hex(d["sha1"], 40)
-            and (d["parent"] is None or _hex(d["parent"], 40))):
-        raise JournalError("entry with a bad name")
-    if not all(type(d[f]) is int and 0 <= d[f] < 1 << 64 for f in _INTS):
-        raise JournalError("entry with a bad number")
-    try:
-        reason = Reason(d["reason"])
-    except ValueError:
-        raise JournalError("entry with an unknown reason") from None
-    if not 0 <= d["parent_tokens"] < d["tokens"]:
-        raise JournalError("entry owning no tokens")
-    return Entry(d["ns"], d["sha1"], d["tokens"], d["parent"], d["parent_tokens"], reason,
-                 d["hits"], d["created"], d["last_used"], d["size"], d["token_digest"],
-                 d["head"], d["ids_at"], d["inode"], d["mtime_ns"], used_ns=d["mtime_ns"])
-
-
-def _hex(value: Any, length: int) -> bool:
-    return (isinstance(value, str) and len(value) == length
-            and all(c in "0123456789abcdef" for c in value))
-
-
-def _count(value: Any) -> int:
-    if type(value) is not int or not 0 <= value < 1 << 64:
-        raise JournalError("bad count")
-    return value
-
-
-def change_line(change: Change) -> bytes:
-    obj = {"before": change.before, "after": change.after,
-           "add": [entry_row(e) for e in change.add],
-           "remove": [list(r) for r in change.remove], "gone": list(change.gone)}
-    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
-
-
-def parse_change(line: bytes) -> Change:
-    try:
-        obj = json.loads(line)
-    except ValueError:
-        raise JournalError("change line is not JSON") from None
-    if not isinstance(obj, dict):
-        raise JournalError("change line is not an object")
-    change = Change(_count(obj.get("before")), _count(obj.get("after")))
-    for row in _list(obj.get("add")):
-        change.add.append(row_entry(row))
-    for row in _list(obj.get("remove")):
-        if (not isinstance(row, list) or len(row) != 3 or not _hex(row[0], 16)
-                or not _hex(row[1], 40) or not (row[2] is None or type(row[2]) is int)):
-            raise JournalError("bad removal")
-        change.remove.append((row[0], row[1], row[2]))
-    for ns in _list(obj.get("gone")):
-        if not _hex(ns, 16):
-            raise JournalError("bad namespace")
-        change.gone.append(ns)
-    return change
-
-
-def _list(value: Any) -> list:
-    if not isinstance(value, list):
-        raise JournalError("expected a list")
-    return value
+MAX_BYTES = 1 << 30  # a journal read at once (~0.3 KB per checkpoint: 3M checkpoints)
+MIN_ROOM = 16 << 20  # a new journal's size: its snapshot, then zeros for change lines
+READ_CHUNK = 1 << 20
 
 
 def _lines(data: bytes) -> tuple[list[bytes], int]:
@@ -171,20 +73,23 @@ class Journal:
 
     @staticmethod
     def _read_all(fd: int, offset: int) -> bytes:
-        # Another client's appends may not be in this client's cached pages (GlusterFS).
-        with contextlib.suppress(OSError):
-            os.posix_fadvise(fd, offset, 0, os.POSIX_FADV_DONTNEED)
-        size = os.fstat(fd).st_size
-        if size - offset > MAX_LINE_BYTES * 64:
-            raise JournalError(f"journal of {size} bytes")
-        chunks = []
-        while offset < size:
-            chunk = os.pread(fd, min(size - offset, 16 << 20), offset)
-            if not chunk:
-                break
+        """The bytes from ``offset`` up to the first zero byte (the end of what was
+        written: the file is preallocated, so its size never moves and no client's
+        cached size hides another's lines), read from the volume, not cached pages."""
+        with contextlib.suppress(OSError):  # whole pages only: from the page `offset` is in
+            os.posix_fadvise(fd, offset - offset % mmap.PAGESIZE, 0, os.POSIX_FADV_DONTNEED)
+        chunks, total = [], 0
+        while True:
+            chunk = os.pread(fd, READ_CHUNK, offset + total)
+            zero = chunk.find(0)
+            if zero >= 0:
+                chunk = chunk[:zero]
             chunks.append(chunk)
-            offset += len(chunk)
-        return b"".join(chunks)
+            total += len(chunk)
+            if zero >= 0 or len(chunk) < READ_CHUNK:
+                return b"".join(chunks)
+            if total > MAX_BYTES:
+                raise JournalError(f"journal of over {MAX_BYTES} bytes")
 
     @staticmethod
     def _header(fd: int) -> dict:
@@ -201,7 +106,7 @@ class Journal:
         if obj.get("fields") != list(FIELDS):
             raise JournalError("other entry fields")
         for key in ("count", "entries", "changes_at"):
-            _count(obj.get(key))
+            count_of(obj.get(key))
         return obj
 
     def load(self) -> Loaded | None:
@@ -233,7 +138,7 @@ class Journal:
             self.lines = len(changes)
             return Loaded(int(header["count"]), entries, changes)
         except (JournalError, OSError, RecursionError) as exc:
-            log.warning("kvdisk: journal %s/%s not used: %s", self._root_name(), NAME, exc)
+            log.warning("kvdisk: journal not used: %s", exc)
             with contextlib.suppress(OSError):
                 self._at = (os.fstat(fd).st_ino, -1)  # not read again until replaced
             return None
@@ -277,27 +182,19 @@ class Journal:
             self._at = None
             return
         try:
-            self._at = (os.fstat(fd).st_ino, self._complete_end(fd))
-        except OSError:
+            self._at = (os.fstat(fd).st_ino, self._ends(fd)[0])
+        except (OSError, JournalError):
             self._at = None
         finally:
             os.close(fd)
 
-    @staticmethod
-    def _complete_end(fd: int) -> int:
-        """The offset after the last complete line (reading back from the end: one byte
-        when the file ends with a whole line, as it does unless a writer was killed)."""
-        size = os.fstat(fd).st_size
-        if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
-            return size
-        end = size - 1
-        while end > 0:
-            start = max(0, end - (64 << 10))
-            at = os.pread(fd, end - start, start).rfind(b"\n")
-            if at >= 0:
-                return start + at + 1
-            end = start
-        return 0
+    def _ends(self, fd: int) -> tuple[int, int]:
+        """(the offset after the last complete line, the offset of the first zero byte:
+        where the next line goes). They differ after a writer was killed mid-line."""
+        start = self._at[1] if self._at is not None and self._at[0] == os.fstat(
+            fd).st_ino and self._at[1] >= 0 else 0
+        data = self._read_all(fd, start)
+        return start + data.rfind(b"\n") + 1, start + len(data)
 
     def replaced(self) -> bool:
         """Whether another file than the one this store read is under the name now (a
@@ -314,11 +211,12 @@ class Journal:
     # -- writing (under the lock) -----------------------------------------------------
     def append(self, change: Change) -> bool:
         """Add a change line to the journal there is (none: nothing; the next compaction
-        writes one). False if it could not be written (readers will find the gap)."""
+        writes one). False if it could not be written or does not fit (readers will find
+        the gap; a whole store then writes a new snapshot)."""
         if self.readonly:
             return False
         try:
-            fd = fsdir.open_regular(NAME, self.root_fd, flags=os.O_RDWR | os.O_APPEND)
+            fd = fsdir.open_regular(NAME, self.root_fd, flags=os.O_RDWR)
         except FileNotFoundError:
             return False
         except OSError as exc:
@@ -328,18 +226,21 @@ class Journal:
             st = os.fstat(fd)
             if st.st_nlink != 1:
                 return False  # someone else's file linked here: never write through it
-            end = self._complete_end(fd)
+            complete, end = self._ends(fd)
             line = change_line(change)
-            if end != st.st_size:
+            if complete != end:
                 line = b"\n" + line  # a killed writer's torn line stays one bad line
-            view = memoryview(line)
+            if end + len(line) > st.st_size:
+                return False  # full: the snapshot is rewritten
+            view, at = memoryview(line), end
             while view:
-                view = view[os.write(fd, view):]
-            if self._at is not None and self._at == (st.st_ino, end):
-                self._at = (st.st_ino, st.st_size + len(line))  # read our own line already
+                done = os.pwrite(fd, view, at)
+                view, at = view[done:], at + done
+            if self._at is not None and self._at == (st.st_ino, complete):
+                self._at = (st.st_ino, end + len(line))  # read our own line already
                 self.lines += 1
             return True
-        except OSError as exc:
+        except (OSError, JournalError) as exc:
             log.warning("kvdisk: journal not appended to: %s", exc)
             return False
         finally:
@@ -358,8 +259,12 @@ class Journal:
             obj = {"kvdisk_journal": VERSION, "fields": list(FIELDS), "count": count,
                    "entries": len(rows), "changes_at": len(header) + len(body)}
             header = json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+        size = len(header) + len(body)
         try:
             with fsdir.TempFile(self.root_fd, NAME) as tmp:
+                # Room for change lines after the snapshot, as zeros (sparse where the
+                # file system can): appends never change the file's size.
+                os.ftruncate(tmp.fd, max(MIN_ROOM, 2 * size))
                 tmp.write([header, body])
                 inode = tmp.stat().st_ino
                 tmp.commit()
@@ -369,48 +274,3 @@ class Journal:
         self._at = (inode, len(header) + len(body))
         self.lines = 0
         return True
-
-    def _root_name(self) -> str:
-        try:
-            return os.readlink(f"/proc/self/fd/{self.root_fd}")
-        except OSError:
-            return "cache"
-
-
-def apply(index: Index, change: Change) -> None:
-    """Make ``index`` (whole at ``change.before``) whole at ``change.after``. Entries of
-    saves in flight stay; an entry of ours for the same file (fresher hits) stays."""
-    for ns in change.gone:
-        for entry in index.namespace_entries(ns):
-            index.remove(ns, entry.sha1)
-    for ns, sha1, inode in change.remove:
-        entry = index.get(ns, sha1)
-        if entry is not None and (inode is None or entry.inode == inode):
-            index.remove(ns, sha1)
-    for entry in change.add:
-        known = index.get(entry.ns, entry.sha1)
-        if known is None or (known.inode, known.size) != (entry.inode, entry.size):
-            index.add(entry)
-
-
-def replay(index: Index, at: int | None, got: list[Change] | Loaded) -> int | None:
-    """Apply what ``Journal.follow`` or ``load`` returned to ``index``, whole at the count
-    ``at`` (None: whole at no known count; only a snapshot can start it). Returns the count
-    it is whole at now, or None at a gap (a change line missing: only a listing knows)."""
-    changes = got
-    if isinstance(got, Loaded):
-        changes = got.changes
-        if got.count != at:  # behind or elsewhere: start again from the snapshot
-            for entry in list(index.entries()):
-                index.remove(entry.ns, entry.sha1)
-            for entry in got.entries:
-                index.add(entry)
-            at = got.count
-    if at is None:
-        return None
-    for change in changes:
-        if change.before != at:
-            return None
-        apply(index, change)
-        at = change.after
-    return at

@@ -1,24 +1,22 @@
 """Scanning: keeping an :class:`~vllm_kvdisk.core.index.Index` in step with the
 :class:`~vllm_kvdisk.storage.directory.Directory` it describes.
 
-* A scan reads only each file's first bytes (header, sections table, stored-id digests);
-  payloads are never touched. A refresh is one stat of a namespace directory when nothing
-  changed, else a re-listing: files another process added are indexed, files it deleted
-  or replaced are forgotten or re-indexed. A file is known by its inode, and a forced
-  refresh (every eviction decision) checks (inode, size, mtime): an inode alone is reused
-  at once by the next file, and a hit changes a header in place. An mtime read within a timestamp
-  tick of the directory's last change is not trusted (the next refresh lists again): a
-  change in that tick would not move it.
-* The view is *whole at* a change count of ``ROOT/.lock`` (``lock``) when every name of
-  every namespace was indexed and no change was counted since: under the lock, a save
-  then lists nothing (``catch_up``). Every name this store changes is counted
-  (``names_changed``); anything that leaves a file out of the index makes the view not
-  whole, so the next save lists again.
+* The view is *whole at* a change count of ``ROOT/.lock`` (``lock``) when it holds every
+  name changed up to that count. It moves along the journal's lines (``journal``): a
+  refresh and a save's ``catch_up`` read what other processes changed, never listing.
+  Every name this store changes is counted and journaled (``names_changed``).
+* Only when the journal cannot say (none, a gap, an unknown count) does it list: one stat
+  of a namespace directory when its mtime is unchanged (an mtime read within a timestamp
+  tick of the change is not trusted), else a listing; a forced refresh also stats every
+  file, (inode, size, mtime): an inode alone is reused at once by the next file.
+* A scan reads each file's first bytes (header, sections table, stored-id digests),
+  never payloads; a start reads the journal instead and lists in the background
+  (``reconcile``). An eviction stats only its victims (``verify_victims``).
 * Only a file proven corrupt in this build's format version is quarantined (by the
   ``quarantine`` the owner hands in). A file of another version is skipped (remembered
   by inode, so it is not re-read); one that cannot be read right now (EIO, ESTALE,
   EMFILE) keeps its directory "changed" and is tried again.
-* A temp file whose writer is gone (its lock is free) is removed by the next refresh.
+* A temp file whose writer is gone (its lock is free) is removed by the next listing.
 * Only regular files are opened, never blocking (``fsdir.open_regular``): a FIFO, socket,
   device node or directory named like a checkpoint is skipped, never quarantined. A file
   proven corrupt is quarantined while the descriptor it was read through is still open.
@@ -43,7 +41,8 @@ from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage.directory import KV_NAME, Directory
 from vllm_kvdisk.storage.fileread import read_indexable
-from vllm_kvdisk.storage.journal import Change, Journal, replay
+from vllm_kvdisk.core.changes import Change, replay
+from vllm_kvdisk.storage.journal import Journal
 
 if TYPE_CHECKING:
     from vllm_kvdisk.storage.lock import DirLock
@@ -82,7 +81,6 @@ class Scanner:
         # names_changed; -1: whole, while the count was unknown; None: not known whole).
         self._whole_at: int | None = None
         self.journal = Journal(directory.fd, readonly=directory.readonly)
-        self.reconciled = threading.Event()  # the listing after a start from the journal
 
     # -- scanning ---------------------------------------------------------------------
     def scan(self) -> None:
@@ -96,7 +94,6 @@ class Scanner:
             self._views.clear()
             self.rejected.clear()
             self.refresh_all(force=True)
-        self.reconciled.set()
 
     def start_up(self, lock_timeout_s: float, *, background: bool = True) -> bool:
         """Index the cache at start-up: from the journal when it is usable (one file read;
@@ -124,7 +121,6 @@ class Scanner:
         one file read instead of every file's header. False, with nothing indexed, when
         there is no usable journal or it has a gap (the caller scans). What the journal
         missed is found by ``reconcile``, which the caller runs in the background."""
-        self.reconciled.clear()
         if self.directory.fd < 0:
             return False
         self.directory.clear_trash()
@@ -151,7 +147,13 @@ class Scanner:
             with self.lock.hold(timeout_s), self._mutex:
                 self.catch_up()
                 count = self.lock.count()
-                if count is None or self._whole_at != count:
+                if count is None:  # never counted (a new cache, an older kvdisk): start
+                    counted = self.lock.count_change()  # a count the journal can name
+                    if counted is None:
+                        return False
+                    count = counted[1]
+                    self._whole_at = count if self._whole_at == -1 else None
+                if self._whole_at != count:
                     return False
                 return self.journal.compact(count, self.index.entries())
         except fsdir.LockTimeout:
@@ -321,8 +323,6 @@ class Scanner:
                     os.close(dir_fd)
         except OSError as exc:
             log.warning("kvdisk: could not list %s: %s", self.directory.root, exc)
-        finally:
-            self.reconciled.set()
 
     def _settle(self, ns: str, dir_fd: int, known: dict[str, Entry],
                 listed: dict[str, int]) -> None:
