@@ -41,7 +41,7 @@ from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage.directory import KV_NAME, Directory
 from vllm_kvdisk.storage.fileread import read_indexable
-from vllm_kvdisk.core.changes import Change, replay
+from vllm_kvdisk.core.changes import Change, bulk, replay
 from vllm_kvdisk.storage.journal import Journal
 
 if TYPE_CHECKING:
@@ -95,27 +95,6 @@ class Scanner:
             self.rejected.clear()
             self.refresh_all(force=True)
 
-    def start_up(self, lock_timeout_s: float, *, background: bool = True) -> bool:
-        """Index the cache at start-up: from the journal when it is usable (one file read;
-        then one listing, in the background unless ``background`` is False, finds what it
-        missed), else by a scan, whose index then becomes the journal's snapshot. True if
-        it started from the journal."""
-        began = time.monotonic()
-        if self.start():
-            log.info("kvdisk: %d files indexed from %s/.journal in %.2f s", len(self.index),
-                     self.directory.root, time.monotonic() - began)
-            if background:
-                threading.Thread(target=self.reconcile, name="kvdisk-reconcile",
-                                 daemon=True).start()
-            else:
-                self.reconcile()
-            return True
-        self.scan()
-        self.write_snapshot(min(1.0, lock_timeout_s))
-        log.info("kvdisk: %d files indexed by a scan of %s in %.2f s", len(self.index),
-                 self.directory.root, time.monotonic() - began)
-        return False
-
     def start(self) -> bool:
         """Start from the journal (``journal``): its snapshot and the changes after it,
         one file read instead of every file's header. False, with nothing indexed, when
@@ -124,6 +103,10 @@ class Scanner:
         if self.directory.fd < 0:
             return False
         self.directory.clear_trash()
+        with bulk():
+            return self._start()
+
+    def _start(self) -> bool:
         loaded = self.journal.load()
         if loaded is None:
             return False

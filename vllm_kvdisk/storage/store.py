@@ -20,9 +20,8 @@ Invariants:
   maybe other ids: the save is skipped).
 * Budget and free-space decisions are made under the lock, from an index caught up with
   every process's counted changes (the journal's lines, or a listing when it cannot say),
-  each eviction victim stat'ed first, so N replicas keep one budget; a new file and its
-  ancestors are never leaves of its own eviction plan; a save that cannot fit is skipped
-  and evicts nothing.
+  each eviction victim stat'ed first: N replicas keep one budget. A new file's ancestors
+  are never its own eviction's victims; a save that cannot fit evicts nothing.
 * Only a file proven corrupt in this build's format version is quarantined. A file of
   another version is left alone; one that cannot be read right now (EIO, ESTALE, EMFILE)
   is skipped and tried again at the next refresh.
@@ -61,6 +60,7 @@ from vllm_kvdisk.storage.fileread import Meta, read_meta, read_text, read_token_
 from vllm_kvdisk.storage.lock import LOCK_TIMEOUT_S, DirLock
 from vllm_kvdisk.storage.quarantine import Quarantine
 from vllm_kvdisk.storage.scan import Scanner
+from vllm_kvdisk.storage.startup import start_up
 from vllm_kvdisk.storage.stats import StoreStats
 
 log = get_logger(__name__)
@@ -147,8 +147,8 @@ class Store:
     def scan(self) -> None:
         self.scanner.scan()
 
-    def start(self, *, background: bool = True) -> bool:
-        return self.scanner.start_up(self.lock_timeout_s, background=background)
+    def start(self, *, background: bool = True) -> bool:  # at start-up: journal or scan
+        return start_up(self.scanner, self.lock_timeout_s, background=background)
 
     def refresh(self, ns: str, *, force: bool = False) -> bool:
         return self.scanner.refresh(ns, force=force)
