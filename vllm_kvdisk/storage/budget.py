@@ -26,6 +26,7 @@ import os
 import threading
 from typing import Callable, Iterable
 
+from vllm_kvdisk.core.changes import bulk
 from vllm_kvdisk.core.eviction import plan_eviction
 from vllm_kvdisk.core.format import FormatError
 from vllm_kvdisk.core.encode import Encoded, summary_of
@@ -199,8 +200,9 @@ class Budget:
             if attempt == RECHECKS:
                 self.scanner.refresh_all(force=True)
                 need = shortfall()
-            plan = plan_eviction(self.index, need, self.clock(), keep, adding=adding,
-                                 groups=self._groups())
+            with bulk():  # O(files) small objects: the collector would walk the index
+                plan = plan_eviction(self.index, need, self.clock(), keep, adding=adding,
+                                     groups=self._groups())
             if self.scanner.verify_victims(plan):
                 return plan
             need = shortfall()
