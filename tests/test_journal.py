@@ -4,16 +4,19 @@ that stat their victims only, and a journal that cannot be trusted never used.""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
 import pytest
 
+from vllm_kvdisk.core.changes import JournalError, row_entry
+from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage import scan as scan_mod
 from vllm_kvdisk.storage.directory import NS_NAME
 from vllm_kvdisk.storage.journal import NAME
 from vllm_kvdisk.storage.store import Store
-from tests.synth import make, prompt, save
+from tests.synth import FP, make, prompt, save
 
 
 def view(store: Store) -> set[tuple]:
@@ -222,3 +225,79 @@ def test_a_cache_that_never_counted_gets_a_journal_at_its_first_start(tmp_path):
     assert first.start(background=False) is False  # scanned
     second = Store(a.root, space_bytes=1 << 30)
     assert second.scanner.start() and view(second) == truth(a.root)
+
+
+def test_a_quarantine_during_a_listing_never_writes_a_partial_snapshot(tmp_path):
+    """A listing under the lock (after a gap) quarantines a corrupt file of the namespace
+    it lists first; the quarantine journals a change, and the view was called whole
+    before the listing ended: the snapshot written then missed the other namespace's
+    files, and every store starting from it lost them for good."""
+    a, first = make(tmp_path)
+    second = a.ensure_namespace(dataclasses.replace(FP, model="other"))
+    first, second = sorted([first, second])
+    rng = np.random.default_rng(0)
+    save(a, first, prompt(0, vocab=256), 48, rng)
+    b = Store(a.root, space_bytes=1 << 30)
+    assert b.scanner.start()
+    theirs, _ = save(b, second, prompt(1, vocab=256), 48, rng)
+    with open(os.path.join(a.root, ".lock"), "r+b") as fh:  # a writer killed before its line
+        count = int.from_bytes(fh.read(8), "little")
+        fh.seek(0)
+        fh.write((count + 1).to_bytes(8, "little"))
+    with open(os.path.join(a.root, first, "ab" * 20 + ".kv"), "wb") as fh:
+        fh.write(b"garbage" * 100)
+    os.unlink(os.path.join(a.root, NAME))  # the next change rewrites the snapshot
+    with a.lock.hold(), a._mutex:
+        a.scanner.catch_up()
+    assert a.stats.quarantined == 1 and a.index.get(second, theirs.sha1) is not None
+    fresh = Store(a.root, space_bytes=1 << 30)
+    assert not fresh.scanner.start()  # no snapshot of a half-listed view was written
+    save(a, first, prompt(2, vocab=256), 48, rng)  # a whole view writes one
+    fresh = Store(a.root, space_bytes=1 << 30)
+    assert fresh.scanner.start() and fresh.index.get(second, theirs.sha1) is not None
+    assert view(fresh) == truth(a.root)
+
+
+def test_a_removed_namespace_is_never_in_a_snapshot(tmp_path):
+    """remove_namespace journaled its removal while its entries were still indexed: a
+    snapshot written then named every file of it, and stores starting from it counted
+    them against the budget for good (the listing after a start skips gone namespaces)."""
+    a, ns = filled(tmp_path, files=2)
+    os.unlink(os.path.join(a.root, NAME))  # the next change rewrites the snapshot
+    assert a.remove_namespace(ns) == 4
+    b = Store(a.root, space_bytes=1 << 30)
+    assert b.start(background=False) is not None
+    assert len(b.index) == 0 and b.index.total_bytes == 0
+
+
+def test_a_rename_that_raised_after_it_happened_is_still_seen(tmp_path, monkeypatch):
+    """The directory's fsync after a rename can fail (EIO) with the name in place, and an
+    NFS rename retried after a lost reply fails although it happened: the file was on
+    disk, counted by nobody, so no replica ever saw it (its key could not be saved again,
+    its children were refused as parent_gone)."""
+    a, ns = filled(tmp_path, files=1)
+    b = Store(a.root, space_bytes=1 << 30)
+    assert b.scanner.start()
+    rng = np.random.default_rng(7)
+    real = fsdir.TempFile.commit
+
+    def commit(self):
+        os.replace(self.name, self.final, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+        self.committed = True
+        raise OSError(5, "EIO on the directory's fsync")
+
+    monkeypatch.setattr(fsdir.TempFile, "commit", commit)
+    with pytest.raises(OSError):
+        save(a, ns, prompt(40, vocab=256), 48, rng)
+    monkeypatch.setattr(fsdir.TempFile, "commit", real)
+    save(a, ns, prompt(41, vocab=256), 48, rng)
+    b.refresh(ns)
+    assert view(a) == view(b) == truth(a.root) and len(a.index) == 4
+
+
+def test_a_hostile_reason_is_a_bad_journal_not_a_crash():
+    """A list where the reason goes raised TypeError (unhashable) out of the journal's
+    reader, and the engine did not start."""
+    row = ["a" * 16, "b" * 40, 32, None, 0, [1], 0, 0, 0, 1, 1, 1, 1, 1, 1]
+    with pytest.raises(JournalError):
+        row_entry(row)

@@ -87,7 +87,7 @@ def row_entry(row: Any) -> Entry:
                   ids_at, inode, mtime_ns):
         if type(value) is not int or not 0 <= value < _U64:
             raise JournalError("entry with a bad number")
-    if reason not in _REASONS or type(reason) is not int:
+    if type(reason) is not int or reason not in _REASONS:  # a list would not hash
         raise JournalError("entry with an unknown reason")
     if parent_tokens >= tokens:
         raise JournalError("entry owning no tokens")

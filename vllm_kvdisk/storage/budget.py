@@ -153,11 +153,18 @@ class Budget:
             self._delete(plan)
         if tmp is None:
             return
-        tmp.commit()
-        self.index.add(entry)
-        self.scanner.names_changed(add=[entry])
-        self.stats.written += 1
-        self.stats.bytes_written += entry.size
+        # Counted before the name appears: a writer killed (or a rename that failed after
+        # it happened: an fsync's EIO, an NFS retry) before its journal line leaves a gap,
+        # and a gap makes every reader list; a name nobody counted would stay unseen.
+        counted = self.lock.count_change()
+        try:
+            tmp.commit()
+        finally:
+            if tmp.committed:
+                self.index.add(entry)
+                self.stats.written += 1
+                self.stats.bytes_written += entry.size
+            self.scanner.names_changed(add=[entry] if tmp.committed else [], counted=counted)
 
     def _still_there(self, entry: Entry) -> bool:
         """Whether ``entry``'s file is on disk, asked of the directory (one stat): a
@@ -211,17 +218,21 @@ class Budget:
     def _delete(self, plan: list[Entry]) -> None:
         if not plan:
             return
-        for entry in plan:
-            self.index.remove(entry.ns, entry.sha1)
-            state = self.directory.namespace(entry.ns)
-            if state is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(f"{entry.sha1}.kv", dir_fd=state.fd)
-            self.stats.evicted += 1
-            self.stats.bytes_evicted += entry.size
-            if self._on_evict is not None:
-                self._on_evict(entry)
-        self.scanner.names_changed(remove=[(e.ns, e.sha1, e.inode) for e in plan])
+        gone: list[Entry] = []
+        try:
+            for entry in plan:
+                state = self.directory.namespace(entry.ns)
+                if state is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(f"{entry.sha1}.kv", dir_fd=state.fd)
+                self.index.remove(entry.ns, entry.sha1)
+                gone.append(entry)
+                self.stats.evicted += 1
+                self.stats.bytes_evicted += entry.size
+                if self._on_evict is not None:
+                    self._on_evict(entry)
+        finally:  # what went is journaled even if a later unlink failed (EIO, EACCES)
+            self.scanner.names_changed(remove=[(e.ns, e.sha1, e.inode) for e in gone])
 
     def evict(self, need_bytes: int, protect: Iterable[Key] = (), *,
               dry_run: bool = False) -> list[Entry]:

@@ -268,12 +268,16 @@ class Directory:
             return 0
         try:
             with os.scandir(self.fd) as it:
-                names = [de.name for de in it if de.name.startswith(TRASH_PREFIX)
-                         and de.is_dir(follow_symlinks=False)]
+                entries = [(de.name, de.is_dir(follow_symlinks=False)) for de in it]
         except OSError as exc:
             log.warning("kvdisk: cannot list %s: %s", self.root, exc)
             return 0
-        return sum(self.delete_tree(name) for name in names)
+        for name, _ in entries:  # a journal rewrite whose writer was killed (16 MiB+)
+            if name.startswith(fsdir.TMP_PREFIX) and fsdir.writer_gone(self.fd, name):
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=self.fd)
+        return sum(self.delete_tree(name) for name, is_dir in entries
+                   if is_dir and name.startswith(TRASH_PREFIX))
 
     def delete_tree(self, name: str, *, wait: bool = True) -> int:
         """Delete a namespace renamed away, whatever is inside; the checkpoints removed

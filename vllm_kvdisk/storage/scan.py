@@ -80,6 +80,7 @@ class Scanner:
         # The lock file's change count at which this index was last whole (see
         # names_changed; -1: whole, while the count was unknown; None: not known whole).
         self._whole_at: int | None = None
+        self._gaps = 0  # how often the view stopped being whole (a listing checks it)
         self.journal = Journal(directory.fd, readonly=directory.readonly)
 
     # -- scanning ---------------------------------------------------------------------
@@ -153,7 +154,7 @@ class Scanner:
                     return True
                 return self._refresh(ns, force)
             except OSError as exc:
-                self._whole_at = None
+                self._lost()
                 log.warning("kvdisk: could not refresh %s/%s: %s", self.directory.root, ns,
                             exc)
                 return False
@@ -168,7 +169,7 @@ class Scanner:
             try:
                 self._refresh(ns, force)
             except OSError as exc:
-                self._whole_at = None
+                self._lost()
                 log.warning("kvdisk: could not refresh %s/%s: %s", self.directory.root, ns,
                             exc)
 
@@ -181,11 +182,15 @@ class Scanner:
             if self._whole_at == count:
                 return  # the journal said what changed: nothing listed
         if count is None or count != self._whole_at:
-            # Whole at this count (-1: whole, count unknown) unless the refresh finds a
-            # file it cannot read.
-            self._whole_at = -1 if count is None else count
+            # Whole at this count (-1: whole, count unknown) once the listing is done,
+            # unless it found a file it cannot read. Not before: a quarantine during the
+            # listing journals a change, and a view called whole then would write a
+            # snapshot of the namespaces not listed yet.
+            self._whole_at, gaps = None, self._gaps
             self.refresh_all()
-            self.journal.skip_to_end()  # every line there is in what was listed
+            if self._gaps == gaps:
+                self._whole_at = -1 if count is None else count
+                self.journal.skip_to_end()  # every line there is in what was listed
 
     def _follow(self) -> bool:
         """Under the mutex: apply the journal's new lines to an index whole at a known
@@ -199,23 +204,26 @@ class Scanner:
         if got is None:
             self._whole_at = None  # a line that cannot be read: list when whole matters
             return False
-        self._whole_at = replay(self.index, self._whole_at, got)
+        with bulk():  # after a rewrite, every entry of the new snapshot
+            self._whole_at = replay(self.index, self._whole_at, got)
         return self._whole_at is not None
 
-    def journaled(self) -> bool:
-        """Whether this view follows the journal (refreshes read its lines, not listings)."""
+    def journaled(self) -> bool:  # refreshes read the journal's lines, not listings
         return self._whole_at is not None and self._whole_at >= 0
 
     def names_changed(self, *, add: Iterable[Entry] = (),
                       remove: Iterable[tuple[str, str, int | None]] = (),
-                      gone: Iterable[str] = ()) -> None:
+                      gone: Iterable[str] = (),
+                      counted: tuple[int | None, int] | None | bool = True) -> None:
         """Under the lock, after this store renamed or deleted checkpoint names and told
         its own index: count the change and journal what it was, for the other stores;
         this view stays whole if it was. The journal is rewritten when its change lines
-        outgrow the snapshot (or there is none yet) and this view is whole."""
-        counted = self.lock.count_change()
-        if counted is None:
-            self._whole_at = None  # unknown to every store: each lists at every save
+        outgrow the snapshot (or there is none yet) and this view is whole. ``counted``:
+        the count moved already (``DirLock.count_change``, before a rename)."""
+        if counted is True:
+            counted = self.lock.count_change()
+        if not isinstance(counted, tuple):
+            self._lost()  # unknown to every store: each lists at every save
             return
         before, after = counted
         whole = self._whole_at is not None and self._whole_at == (-1 if before is None
@@ -228,11 +236,15 @@ class Scanner:
 
     def not_whole(self) -> None:
         """A file left the index without its name changing: list again at the next save."""
+        self._lost()
+
+    def _lost(self) -> None:
         self._whole_at = None
+        self._gaps += 1
 
     def forget_namespace(self, ns: str) -> None:
         """The namespace is gone or another directory now: none of its entries stay."""
-        self._whole_at = None  # a listing must find its files again
+        self._lost()  # a listing must find its files again
         self._views.pop(ns, None)
         for entry in self.index.namespace_entries(ns):
             self.index.remove(ns, entry.sha1)
@@ -267,7 +279,7 @@ class Scanner:
         # refresh tries it again; so does an mtime too recent to be trusted.
         view.mtime_ns = mtime if complete and not fsdir.racy(mtime, looked_ns) else -1
         if not complete:
-            self._whole_at = None  # a file is missing from the index: list again
+            self._lost()  # a file is missing from the index: list again
         return True
 
     def _list(self, dir_fd: int) -> dict[str, int]:
@@ -291,7 +303,12 @@ class Scanner:
         index what the journal missed: files of a writer killed before its line, files
         deleted without the lock, temp files of dead writers."""
         try:
-            for ns in self.directory.namespaces():
+            names = self.directory.namespaces()
+            with self._mutex:
+                for ns in set(self.index.namespaces()) - set(names):
+                    if self.directory.namespace(ns) is None:
+                        self.forget_namespace(ns)  # named by the journal, gone from disk
+            for ns in names:
                 with self._mutex:
                     state = self.directory.namespace(ns)
                     if state is None:
@@ -317,7 +334,8 @@ class Scanner:
         todo = [sha1 for sha1, inode in listed.items() if (ns, sha1) not in self.index
                 and view.skipped.get(sha1, (None,))[0] != inode]
         for sha1, found in self._read_files(dir_fd, todo):
-            self._index_file(ns, view, sha1, found)
+            if not self._index_file(ns, view, sha1, found):
+                self._lost()
 
     def verify_victims(self, plan: list[Entry]) -> bool:
         """Under the lock and the mutex, before an eviction: whether each victim's name
@@ -334,7 +352,8 @@ class Scanner:
             if state is not None:
                 view = self._views.setdefault(entry.ns, _View())
                 for sha1, found in self._read_files(state.fd, [entry.sha1]):
-                    self._index_file(entry.ns, view, sha1, found)
+                    if not self._index_file(entry.ns, view, sha1, found):
+                        self._lost()  # not read now: a listing must find it again
         return same
 
     def _read_files(self, dir_fd: int, names: list[str]) -> Iterator[tuple[str, Any]]:

@@ -147,7 +147,7 @@ class Store:
     def scan(self) -> None:
         self.scanner.scan()
 
-    def start(self, *, background: bool = True) -> bool:  # at start-up: journal or scan
+    def start(self, *, background: bool = True) -> bool:  # journal, else scan
         return start_up(self.scanner, self.lock_timeout_s, background=background)
 
     def refresh(self, ns: str, *, force: bool = False) -> bool:
@@ -395,6 +395,6 @@ class Store:
             trash = self.directory.rename_away(ns, int(self.clock() * 1000))
             if trash is None:
                 return 0
-            self.scanner.names_changed(gone=[ns])
-            self.directory.namespace(ns)  # forget its descriptor and entries
+            self.directory.namespace(ns)  # forget its descriptor and entries, before
+            self.scanner.names_changed(gone=[ns])  # a snapshot may be written
         return self.directory.delete_tree(trash, wait=wait)
