@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from vllm_kvdisk.core.changes import JournalError, row_entry
 from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage import scan as scan_mod
+from vllm_kvdisk.storage import startup as startup_mod
 from vllm_kvdisk.storage.directory import NS_NAME
 from vllm_kvdisk.storage.journal import NAME
 from vllm_kvdisk.storage.store import Store
@@ -301,3 +303,27 @@ def test_a_hostile_reason_is_a_bad_journal_not_a_crash():
     row = ["a" * 16, "b" * 40, 32, None, 0, [1], 0, 0, 0, 1, 1, 1, 1, 1, 1]
     with pytest.raises(JournalError):
         row_entry(row)
+
+
+def test_a_running_store_lists_the_directory_again_in_the_background(tmp_path, monkeypatch):
+    """Without listings at saves, a temp file of a writer killed mid-save and a file no
+    journal line names stayed until the next start. An engine's store lists the
+    directory in a thread of its own: at once after a start from the journal, then every
+    RECONCILE_EVERY_S."""
+    monkeypatch.setattr(startup_mod, "RECONCILE_EVERY_S", 0.05)
+    a, ns = filled(tmp_path, files=1)
+    b = Store(a.root, space_bytes=1 << 30)
+    assert b.start() is True  # from the journal; the thread lists
+    monkeypatch.setattr(a.scanner.journal, "append", lambda change: False)
+    monkeypatch.setattr(a.scanner.journal, "compact", lambda count, entries: False)
+    unjournaled, _ = save(a, ns, prompt(60, vocab=256), 48, np.random.default_rng(8))
+    dead = os.path.join(a.root, ns, f".tmp-{'c' * 40}.kv-1-dead")
+    with open(dead, "wb") as fh:
+        fh.write(b"half a checkpoint")
+    os.utime(dead, (1, 1))  # older than the grace a live writer gets
+    deadline = time.monotonic() + 60  # a wait for the thread, not a measure of it
+    while time.monotonic() < deadline and (b.index.get(ns, unjournaled.sha1) is None
+                                           or os.path.exists(dead)):
+        time.sleep(0.05)
+    assert b.index.get(ns, unjournaled.sha1) is not None and not os.path.exists(dead)
+    b.close()

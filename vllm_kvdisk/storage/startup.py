@@ -21,22 +21,40 @@ from vllm_kvdisk.storage.scan import Scanner
 log = get_logger(__name__)
 
 
+RECONCILE_EVERY_S = 600.0  # a running store lists the directory again this often
+
+
 def start_up(scanner: Scanner, lock_timeout_s: float, *, background: bool = True) -> bool:
-    """Index the cache; True if it started from the journal (then the listing runs in a
-    thread of its own unless ``background`` is False)."""
+    """Index the cache; True if it started from the journal. ``background``: a thread
+    lists the directory (at once after a start from the journal, then every
+    ``RECONCILE_EVERY_S``), so a long-running store also picks up what no journal line
+    says (a writer killed between its rename and its line, ``rm`` by hand) and removes
+    temp files of dead writers; without it, the listing after a journal start runs here."""
     began = time.monotonic()
     root = scanner.directory.root
-    if scanner.start():
+    journaled = scanner.start()
+    if journaled:
         log.info("kvdisk: %d files indexed from %s/.journal in %.2f s", len(scanner.index),
                  root, time.monotonic() - began)
-        if background:
-            threading.Thread(target=scanner.reconcile, name="kvdisk-reconcile",
-                             daemon=True).start()
-        else:
+        if not background:
             scanner.reconcile()
-        return True
-    scanner.scan()
-    scanner.write_snapshot(min(1.0, lock_timeout_s))
-    log.info("kvdisk: %d files indexed by a scan of %s in %.2f s", len(scanner.index), root,
-             time.monotonic() - began)
-    return False
+    else:
+        scanner.scan()
+        scanner.write_snapshot(min(1.0, lock_timeout_s))
+        log.info("kvdisk: %d files indexed by a scan of %s in %.2f s", len(scanner.index),
+                 root, time.monotonic() - began)
+    if background and not scanner.directory.readonly:
+        threading.Thread(target=_reconcile_forever, args=(scanner, journaled),
+                         name="kvdisk-reconcile", daemon=True).start()
+    return journaled
+
+
+def _reconcile_forever(scanner: Scanner, now: bool) -> None:
+    while scanner.directory.fd >= 0:  # until the store is closed
+        if now:
+            try:
+                scanner.reconcile()
+            except Exception:  # noqa: BLE001 - a bug of ours must not end the listings
+                log.exception("kvdisk: listing %s failed", scanner.directory.root)
+        now = True
+        time.sleep(RECONCILE_EVERY_S)
