@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 
 from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.storage.scan import Scanner
@@ -44,17 +45,24 @@ def start_up(scanner: Scanner, lock_timeout_s: float, *, background: bool = True
         log.info("kvdisk: %d files indexed by a scan of %s in %.2f s", len(scanner.index),
                  root, time.monotonic() - began)
     if background and not scanner.directory.readonly:
-        threading.Thread(target=_reconcile_forever, args=(scanner, journaled),
+        # A weak reference: the thread must not keep a dropped store alive (nor, through
+        # its callbacks, an engine's KV cache: in-process engines of a test run ran out
+        # of memory that way).
+        threading.Thread(target=_reconcile_forever, args=(weakref.ref(scanner), journaled),
                          name="kvdisk-reconcile", daemon=True).start()
     return journaled
 
 
-def _reconcile_forever(scanner: Scanner, now: bool) -> None:
-    while scanner.directory.fd >= 0:  # until the store is closed
+def _reconcile_forever(ref: weakref.ref, now: bool) -> None:
+    while True:
+        scanner = ref()
+        if scanner is None or scanner.directory.fd < 0:
+            return  # the store was dropped or closed
         if now:
             try:
                 scanner.reconcile()
             except Exception:  # noqa: BLE001 - a bug of ours must not end the listings
                 log.exception("kvdisk: listing %s failed", scanner.directory.root)
+        del scanner
         now = True
         time.sleep(RECONCILE_EVERY_S)
