@@ -68,8 +68,20 @@ class Journal:
         self._at: tuple[int, int] | None = None  # (inode, offset) read up to
 
     # -- reading ----------------------------------------------------------------------
-    def _open(self) -> int:
-        return fsdir.open_regular(NAME, self.root_fd)
+    def _open(self, flags: int = os.O_RDONLY) -> int:
+        # Written in place only if no other name links to it (someone else's file).
+        return fsdir.open_regular(NAME, self.root_fd, flags=flags,
+                                  single_link=flags != os.O_RDONLY)
+
+    def _open_or_none(self, flags: int, doing: str) -> int | None:
+        """The journal's descriptor; None if there is none, or it cannot be opened (logged)."""
+        try:
+            return self._open(flags)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("kvdisk: journal not %s: %s", doing, exc)
+            return None
 
     @staticmethod
     def _read_all(fd: int, offset: int) -> bytes:
@@ -113,12 +125,8 @@ class Journal:
     def load(self) -> Loaded | None:
         """The whole journal (None: there is none, or it cannot be used; logged). Reading
         it is where this store's reading starts."""
-        try:
-            fd = self._open()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            log.warning("kvdisk: journal not used: %s", exc)
+        fd = self._open_or_none(os.O_RDONLY, "used")
+        if fd is None:
             return None
         try:
             header = self._header(fd)
@@ -220,17 +228,11 @@ class Journal:
         the gap; a whole store then writes a new snapshot)."""
         if self.readonly:
             return False
-        try:
-            fd = fsdir.open_regular(NAME, self.root_fd, flags=os.O_RDWR)
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            log.warning("kvdisk: journal not appended to: %s", exc)
+        fd = self._open_or_none(os.O_RDWR, "appended to")
+        if fd is None:
             return False
         try:
             st = os.fstat(fd)
-            if st.st_nlink != 1:
-                return False  # someone else's file linked here: never write through it
             complete, end = self._ends(fd)
             line = change_line(change)
             if complete != end:
