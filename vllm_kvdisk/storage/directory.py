@@ -90,12 +90,15 @@ class Directory:
         self._mutex = mutex
         self._on_replaced = on_replaced
         self._ns: dict[str, NamespaceDir] = {}
+        # Reads of what other processes wrote drop cached pages first: not on a local disk.
+        self.drops_cache = True
         if readonly and not os.path.isdir(self.root):
             return  # nothing there yet: an empty cache
         if not readonly:
             os.makedirs(self.root, mode=0o700, exist_ok=True)
         fsdir.check_root(self.root, allow_shared=allow_shared_dir or readonly)
         self.fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.drops_cache = fsdir.drops_cache(self.fd)
 
     def close(self) -> None:
         with self._mutex:

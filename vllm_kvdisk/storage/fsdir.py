@@ -14,6 +14,12 @@
   writer's temp file is never touched.
 * The cross-process lock (``ROOT/.lock``) is taken with a timeout: a stuck network file
   system costs one skipped save, never a stalled engine.
+* Cached pages are dropped before a read of what another process wrote (the lock's count,
+  the journal's lines, a header's hits) only where another client's writes may not be in
+  them: not on a local file system, whose page cache is the one copy every process reads
+  (``drops_cache``). There the drop bought nothing and cost much: ``POSIX_FADV_DONTNEED``
+  of a file with dirty pages drains every CPU's page lists and waits for each; with the
+  engine's threads busy on both cores, one such call held the lock for a minute.
 
 Pure: standard library only.
 """
@@ -32,6 +38,7 @@ from typing import Any, Iterator, Sequence
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 TMP_PREFIX = ".tmp-"
 TMP_GRACE_S = 10.0  # a temp file younger than this may be one whose writer has not locked it yet
+PAGE = os.sysconf("SC_PAGE_SIZE")
 IOV_MAX = 1024  # iovecs per preadv/writev call (Linux's limit)
 
 
@@ -229,11 +236,13 @@ def writer_gone(dir_fd: int, name: str, now: float | None = None) -> bool:
 
 
 @contextlib.contextmanager
-def locked(dir_fd: int, timeout_s: float, name: str = ".lock") -> Iterator[int]:
+def locked(dir_fd: int, timeout_s: float, name: str = ".lock", *,
+           drop_cache: bool = True) -> Iterator[int]:
     """Hold the exclusive cross-process lock file ``name`` of ``dir_fd``, waiting at most
     ``timeout_s``; LockTimeout otherwise. Each call opens its own descriptor, so threads
     of one process exclude each other too. Yields that descriptor: the lock file's bytes
-    are the holder's to read and write."""
+    are the holder's to read and write (``drop_cache``: read from the volume, see
+    ``drops_cache``)."""
     fd = open_regular(name, dir_fd, flags=os.O_RDWR | os.O_CREAT)
     try:
         deadline = time.monotonic() + timeout_s
@@ -251,12 +260,50 @@ def locked(dir_fd: int, timeout_s: float, name: str = ".lock") -> Iterator[int]:
         # The holder reads what the last holder wrote (the change count). A network file
         # system's client may keep this file's pages from before: GlusterFS's FUSE client
         # did, and each mount read its own count. Dropping them makes the read ask the
-        # volume (dirty pages stay: a local disk keeps its own writes cached).
-        with contextlib.suppress(OSError):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        # volume.
+        if drop_cache:
+            drop_cached(fd)
         yield fd
     finally:
         os.close(fd)
+
+
+# Local file systems: one page cache per file on the host, coherent with every write. On
+# anything else (NFS, CephFS, FUSE mounts such as GlusterFS, an unknown type) a client may
+# read pages it cached before another client wrote.
+LOCAL_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "ramfs", "overlay",
+                      "zfs", "f2fs", "bcachefs", "jfs", "reiserfs", "nilfs2"})
+
+
+def fs_type(fd: int, mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """The type of the file system ``fd`` is on, as the mount table says (None: unknown)."""
+    try:
+        dev = os.fstat(fd).st_dev
+        want = f"{os.major(dev)}:{os.minor(dev)}"
+        with open(mountinfo, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                # id parent major:minor root mount-point options [optional...] - type ...
+                fields = line.split()
+                if len(fields) > 7 and fields[2] == want and "-" in fields[6:]:
+                    return fields[fields.index("-", 6) + 1]
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def drops_cache(fd: int) -> bool:
+    """Whether reads on this file system must drop cached pages to see another client's
+    writes: not on a local one (see the module docstring), yes on any other or unknown."""
+    return fs_type(fd) not in LOCAL_FS
+
+
+def drop_cached(fd: int, offset: int = 0, length: int = 0) -> None:
+    """Make the next read of ``[offset, offset + length)`` (0: to the end) ask the volume,
+    not cached pages. Whole pages only: the kernel rounds a partial first page *up*, so
+    the range starts at the page ``offset`` is in. Callers ask only where ``drops_cache``."""
+    with contextlib.suppress(OSError):
+        os.posix_fadvise(fd, offset - offset % PAGE, length + offset % PAGE if length else 0,
+                         os.POSIX_FADV_DONTNEED)
 
 
 RACY_NS = 50_000_000  # above any kernel's timestamp tick (jiffies: 1-10 ms)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import mmap
 import os
 from typing import Iterable
 
@@ -61,9 +60,10 @@ class Journal:
     """A store's reader and writer of ``ROOT/.journal``: where it read up to, and the
     appends and snapshots it makes under the lock."""
 
-    def __init__(self, root_fd: int, *, readonly: bool = False):
+    def __init__(self, root_fd: int, *, readonly: bool = False, drop_cache: bool = True):
         self.root_fd = root_fd
         self.readonly = readonly
+        self.drop_cache = drop_cache  # reads ask the volume (``fsdir.drops_cache``)
         self.lines = 0  # change lines after the snapshot, as far as this store read
         self._at: tuple[int, int] | None = None  # (inode, offset) read up to
 
@@ -83,13 +83,12 @@ class Journal:
             log.warning("kvdisk: journal not %s: %s", doing, exc)
             return None
 
-    @staticmethod
-    def _read_all(fd: int, offset: int) -> bytes:
+    def _read_all(self, fd: int, offset: int) -> bytes:
         """The bytes from ``offset`` up to the first zero byte (the end of what was
         written: the file is preallocated, so its size never moves and no client's
         cached size hides another's lines), read from the volume, not cached pages."""
-        with contextlib.suppress(OSError):  # whole pages only: from the page `offset` is in
-            os.posix_fadvise(fd, offset - offset % mmap.PAGESIZE, 0, os.POSIX_FADV_DONTNEED)
+        if self.drop_cache:
+            fsdir.drop_cached(fd, offset)
         chunks, total, want = [], 0, 16 << 10  # new lines are few: small reads first
         while True:
             chunk = os.pread(fd, want, offset + total)

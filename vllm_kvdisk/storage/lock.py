@@ -56,7 +56,8 @@ class DirLock:
                 self._held.depth = depth
             return
         with fsdir.locked(self.directory.fd,
-                          self.timeout_s if timeout_s is None else timeout_s) as fd:
+                          self.timeout_s if timeout_s is None else timeout_s,
+                          drop_cache=self.directory.drops_cache) as fd:
             self._held.depth, self._held.fd = 1, fd
             try:
                 yield

@@ -65,11 +65,8 @@ class Scanner:
     def __init__(self, directory: Directory, lock: DirLock, index: Index, stats: StoreStats,
                  *, mutex: threading.RLock, clock: Callable[[], float],
                  quarantine: Callable[..., bool | None]):
-        self.directory = directory
-        self.lock = lock
-        self.index = index
-        self.stats = stats
-        self.clock = clock
+        self.directory, self.lock, self.index = directory, lock, index
+        self.stats, self.clock = stats, clock
         # Files this store refused, with why: another version's, not regular, corrupt.
         self.rejected: deque[tuple[str, str, str]] = deque(maxlen=4096)
         self._mutex = mutex
@@ -81,7 +78,8 @@ class Scanner:
         # names_changed; -1: whole, while the count was unknown; None: not known whole).
         self._whole_at: int | None = None
         self._gaps = 0  # how often the view stopped being whole (a listing checks it)
-        self.journal = Journal(directory.fd, readonly=directory.readonly)
+        self.journal = Journal(directory.fd, readonly=directory.readonly,
+                               drop_cache=directory.drops_cache)
 
     # -- scanning ---------------------------------------------------------------------
     def scan(self) -> None:

@@ -267,8 +267,8 @@ class Store:
                 fcntl.flock(fd, fcntl.LOCK_EX)
             # Another client's last hit is on the volume, maybe not in our cached header
             # page (GlusterFS kept it: hits through two mounts overwrote each other).
-            with contextlib.suppress(OSError):
-                os.posix_fadvise(fd, 0, 4096, os.POSIX_FADV_DONTNEED)
+            if self.directory.drops_cache:
+                fsdir.drop_cached(fd, 0, 4096)
             st = os.fstat(fd)
             if entry is not None and (st.st_ino, st.st_size) != (entry.inode, entry.size):
                 return  # replaced by another process: its statistics are its own
