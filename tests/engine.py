@@ -14,6 +14,10 @@ ALIGN = 256  # small grid so tests stay fast: checkpoints at 128, 384, 640, ... 
 # "always": tests assert exact hit counts; the cost-aware default is tested on its own.
 CFG = {"kv_cache_boundary_align_tokens": ALIGN, "kv_cache_min_tokens": 128,
        "kv_disk_load_policy": "always"}
+# How long a test waits for what background threads do after a request returned (a save's
+# write and fsync, a trace line). A guard against a hang, never a verdict: a VM's disk has
+# held one fsync for 24 s while the engine's threads kept both cores busy.
+OUTCOME_WAIT_S = 300.0
 FLAGS = ("--kv-cache-boundary-align-tokens", str(ALIGN), "--kv-cache-min-tokens", "128",
          "--kv-disk-load-policy", "always")
 
@@ -51,7 +55,7 @@ def events(path: str, kind: str) -> list[TraceEvent]:
     return read(path, [kind])
 
 
-def wait_events(path: str, kind: str, count: int = 1, timeout: float = 30.0,
+def wait_events(path: str, kind: str, count: int = 1, timeout: float = OUTCOME_WAIT_S,
                 where=lambda e: True) -> list[TraceEvent]:
     """The events of a kind, once at least ``count`` match (explanations and saves are
     written by background threads, shortly after the request returns)."""

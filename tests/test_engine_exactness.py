@@ -4,7 +4,7 @@ import time
 
 import numpy as np
 import pytest
-from engine import engine, events, generate, random_prompt
+from engine import OUTCOME_WAIT_S, engine, events, generate, random_prompt
 
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.connector.transfer import PageMover
@@ -66,7 +66,7 @@ def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_pat
     prompt = random_prompt(1000, seed=2)  # one checkpoint: 896 tokens = 7 blocks
     with engine(tiny_model, str(tmp_path / "kv")) as llm:
         first, _ = generate(llm, prompt)
-        deadline = time.monotonic() + 30  # the copy runs after the step, on its own thread
+        deadline = time.monotonic() + OUTCOME_WAIT_S  # the copy runs after the step, on its own thread
         while len(written) < 7 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(written) == 7

@@ -13,7 +13,8 @@ import time
 
 import pytest
 from crash_child import prompts
-from engine import Server, disk_tokens, engine, events, generate, random_prompt, wait_events
+from engine import (OUTCOME_WAIT_S, Server, disk_tokens, engine, events, generate,
+                    random_prompt, wait_events)
 from helpers import kv_files
 
 from vllm_kvdisk.ops.cli import main as kvdisk
@@ -73,7 +74,7 @@ def clean(kv: str) -> None:
     assert report.ok, report.problems
 
 
-def wait_until(what: str, done, timeout: float = 60.0) -> None:
+def wait_until(what: str, done, timeout: float = OUTCOME_WAIT_S) -> None:
     deadline = time.monotonic() + timeout
     while not done():
         if time.monotonic() > deadline:

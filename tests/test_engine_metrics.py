@@ -7,7 +7,7 @@ import re
 import time
 
 import pytest
-from engine import Server, disk_tokens, events
+from engine import OUTCOME_WAIT_S, Server, disk_tokens, events
 from helpers import text
 
 pytestmark = pytest.mark.engine
@@ -22,7 +22,7 @@ def scrape_names(server: Server) -> set[str]:
             if line.startswith("vllm:")}
 
 
-def wait_for(predicate, timeout=30.0):
+def wait_for(predicate, timeout=OUTCOME_WAIT_S):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

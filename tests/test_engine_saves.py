@@ -5,7 +5,7 @@ import time
 
 import pytest
 import requests
-from engine import Server, engine, events, generate, random_prompt
+from engine import OUTCOME_WAIT_S, Server, engine, events, generate, random_prompt
 
 pytestmark = pytest.mark.engine
 
@@ -16,7 +16,7 @@ def test_continued_checkpoints_during_generation_restore_exactly(tiny_model, tmp
     with engine(tiny_model, kv, trace=trace, kv_cache_continued_interval_tokens=512) as llm:
         out, _ = generate(llm, prompt, max_tokens=600)  # computed tokens cross 1536, 2048
         # Saves are asynchronous: the last one may land just after the request returns.
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + OUTCOME_WAIT_S
         while (not any(e.reason == "continued" for e in events(trace, "saved"))
                and time.monotonic() < deadline):
             time.sleep(0.1)
@@ -51,7 +51,7 @@ def test_sigterm_checkpoints_running_requests_and_the_next_server_resumes(tiny_m
 
     worker = threading.Thread(target=long_request)
     worker.start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + OUTCOME_WAIT_S
     while (not any(e.reason == "cold" for e in events(trace, "saved"))
            and time.monotonic() < deadline):
         time.sleep(0.2)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import pytest
-from engine import Server, random_prompt, shared_prefix
+from engine import OUTCOME_WAIT_S, Server, random_prompt, shared_prefix
 from helpers import text
 
 from vllm_kvdisk.testing import harness
@@ -64,7 +64,7 @@ class Conversation:
 
 
 def wait_for(trace: str, start: int, ready: Callable[[list[TraceEvent]], bool],
-             timeout: float = 60.0) -> list[TraceEvent]:
+             timeout: float = OUTCOME_WAIT_S) -> list[TraceEvent]:
     """Trace events from index ``start`` on, once ``ready(events)`` holds (the workers'
     I/O threads write them, shortly after the request returns)."""
     deadline = time.monotonic() + timeout
