@@ -11,7 +11,6 @@ held at a gate (a delaying mover) and a store whose writes are held at another.
 
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
@@ -20,7 +19,6 @@ import torch
 from workers import BLOCK, make_worker, save_job
 
 from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta
-from vllm_kvdisk.connector.threads import SAVE_NICE
 from vllm_kvdisk.connector.worker import WorkerSide
 
 BLOCKS = 32
@@ -151,30 +149,3 @@ def test_saves_past_the_staging_cap_are_skipped_as_busy(side):
     page = 64 << 10
     assert w.staging_peak == 21 * 2 * page <= 3 << 20  # the most ever held, under the cap
     assert w.get_kv_connector_stats().data["staging_peak_bytes"] == w.staging_peak
-
-
-def test_saves_run_at_a_lower_cpu_priority_than_the_engine_and_loads_do_not(side):
-    """A save's write (encoding, checksums, fsync) is background work: on cores the engine
-    keeps busy it takes what the engine leaves (decode while saving ran 1.10x slower on
-    this 2-core machine). The copy out of the blocks may be waited on by the next forward
-    (a preemption, a hybrid model's window pages) and a load by a request: both keep the
-    engine's priority."""
-    def nice() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    w, _ = side()
-    engine = nice()
-    seen: dict[str, int] = {}
-    gather, write = w.mover.gather, w.store.write
-    w.mover.gather = lambda *a, **k: (seen.setdefault("copy", nice()), gather(*a, **k))[1]
-    w.store.write = lambda *a, **k: (seen.setdefault("write", nice()), write(*a, **k))[1]
-    save = job("n", [2, 3], seed=6)
-    w.wait_for_save(StepMeta(saves=[save]))
-    w.drain()
-    opened = w.store.open_file
-    w.store.open_file = lambda *a, **k: (seen.setdefault("load", nice()), opened(*a, **k))[1]
-    w.start_load_kv(StepMeta(loads=[load_job(save.plan.sha1, 2, [30, 31])]))
-    fut, _ = w.loads.pending["load"]
-    assert fut.result(WAIT) == []
-    want = min(19, engine + SAVE_NICE)
-    assert seen == {"copy": engine, "write": want, "load": engine}, seen

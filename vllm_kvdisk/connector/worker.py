@@ -3,8 +3,8 @@
 Runs in each vLLM worker process; each method is the vLLM hook of the same name (the
 connector facade delegates one line each). The engine step only enqueues work: a copy
 thread gathers a save's pages into host staging after the step (on a GPU, on a side stream
-behind an event recorded after the forward), a write pool at a lower CPU priority encodes
-and writes them, and a load pool of its own reads files back (``loading.Loads``).
+behind an event recorded after the forward), a write pool encodes and writes them, and a
+load pool of its own reads files back (``loading.Loads``), so a load never waits behind a write or an fsync.
 
 Invariants:
 * A load verifies every file before using it (``restore.Restorer``). A file proven corrupt
@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import deque
@@ -45,7 +46,6 @@ from vllm_kvdisk.ops.recorder import StatsRecorder
 from vllm_kvdisk.core.encode import encode_plan
 from vllm_kvdisk.connector.loading import Loads
 from vllm_kvdisk.connector.staging import StagingPool
-from vllm_kvdisk.connector.threads import save_pool, shorten_gil_switch
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.ops.trace import Trace
 from vllm_kvdisk.connector.transfer import PageMover, pinned_buffer, unique_layers
@@ -75,10 +75,9 @@ class WorkerSide:
         self.block_size = block_size
         self.trace = Trace.from_config(config)
         self.store = Store.from_config(config, on_evict=self._on_evict)
-        # Loads never wait behind a save's write or fsync: their own threads; writes run
-        # nicer (connector/threads). One copy thread, at the engine's priority (a preempted
-        # request's next forward may wait for it), takes copies off the step, in order.
-        self.pool = save_pool(config.kv_disk_io_threads, "kvdisk-write")
+        # Loads never wait behind a save's write or fsync: each has its own threads. One
+        # copy thread takes page copies off the engine step, in order.
+        self.pool = ThreadPoolExecutor(config.kv_disk_io_threads, thread_name_prefix="kvdisk-write")
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvdisk-copy")
         self.staging = StagingPool(config.kv_disk_staging_mb * 1024 * 1024)
         self.mover: PageMover | None = None
@@ -119,9 +118,16 @@ class WorkerSide:
             self.staging.allocate = pinned_buffer  # device copies want page-locked memory
         self.loads.attach(self.mover, self.staging, self.groups)
         self.store.start()
-        shorten_gil_switch(self.config.kv_disk_gil_switch_us)
+        self._shorten_gil_switch()
         log.info("kvdisk worker: %d layers, page %d bytes, %d checkpoint(s) on disk",
                  len(layers), self.mover.page_bytes, len(self.store.index))
+
+    def _shorten_gil_switch(self) -> None:
+        want = self.config.kv_disk_gil_switch_us / 1e6
+        if want and want < sys.getswitchinterval():
+            log.info("kvdisk: GIL switch interval %.0f -> %.0f us, so I/O threads are not "
+                     "starved by the engine loop", sys.getswitchinterval() * 1e6, want * 1e6)
+            sys.setswitchinterval(want)
 
     def _fp(self, scope: Scope) -> Fingerprint:
         return self.namespaces.fingerprint(scope.lora, scope.salt_digest)
@@ -355,7 +361,7 @@ class WorkerSide:
         # and an idle wait in a step that decodes other requests would slow them all.
         recving = self.loads.finished(idle=self._idle)
         self._finished.append(set(finished_req_ids))
-        recent = set().union(*self._finished)  # finished in the last few steps
+        recent = set().union(*self._finished)
         with self._lock:  # held blocks go back once no copy of the request is running
             sending = {req for req in self._held & recent if req not in self._copying}
         self._held -= sending
