@@ -226,11 +226,10 @@ def read_layers_into(fd: int, meta: Meta, first: int,
 
     Each item is one byte buffer of exactly the layer's bytes, or a list of byte buffers
     that together hold exactly them in file order (e.g. runs of the engine's own blocks,
-    so pages land where they are used with no extra copy). Each layer is read by one
-    preadv (batched by IOV_MAX: few system calls, because inside a busy engine process
-    every return from one waits for the GIL) and hashed at once, while its bytes are in
-    the CPU's caches. On a checksum mismatch the buffers hold unverified bytes: the
-    caller must treat them as garbage.
+    so pages land where they are used with no extra copy). Each layer is read and hashed
+    ``HOT_BYTES`` at a time, each piece hashed while it is in the CPU's caches (one preadv
+    per piece, batched by IOV_MAX). On a checksum mismatch the buffers hold unverified
+    bytes: the caller must treat them as garbage.
     """
     layers = [[out] if isinstance(out, memoryview) else list(out) for out in outs]
     if first < 0 or first + len(layers) > meta.payload.layout.num_layers:
@@ -255,6 +254,8 @@ def _read_hashed(fd: int, views: Sequence[memoryview], at: int, hasher: Any,
     batch: list[memoryview] = []
     room = HOT_BYTES
     for view in views:
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")  # sliced by bytes below
         while view.nbytes:
             piece, view = view[:room], view[room:]
             batch.append(piece)

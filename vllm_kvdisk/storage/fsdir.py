@@ -275,8 +275,39 @@ LOCAL_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "ramfs", 
                       "zfs", "f2fs", "bcachefs", "jfs", "reiserfs", "nilfs2"})
 
 
+# statfs(2) magic numbers of the types above and of the network ones (linux/magic.h).
+FS_MAGIC = {0xEF53: "ext4", 0x58465342: "xfs", 0x9123683E: "btrfs", 0x01021994: "tmpfs",
+            0x858458F6: "ramfs", 0x794C7630: "overlay", 0x2FC12FC1: "zfs", 0xF2F52010: "f2fs",
+            0xCA451A4E: "bcachefs", 0x3153464A: "jfs", 0x52654973: "reiserfs",
+            0x3434: "nilfs2", 0x6969: "nfs", 0x65735546: "fuse", 0x00C36400: "ceph",
+            0xFF534D42: "cifs", 0xFE534D42: "smb2", 0x01021997: "v9fs", 0x0BD00BD0: "lustre",
+            0x01161970: "gfs2", 0x7461636F: "ocfs2"}
+
+
+def _statfs_type(fd: int) -> str | None:
+    """The type ``fstatfs(2)`` gives (its first field, ``f_type``), named; None where it
+    cannot be asked or the magic is not known here."""
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statfs: 120 bytes on 64-bit Linux
+        if libc.fstatfs(ctypes.c_int(fd), buf) != 0:
+            return None
+        magic = ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+    except (OSError, AttributeError, ValueError):
+        return None
+    return FS_MAGIC.get(magic)
+
+
 def fs_type(fd: int, mountinfo: str = "/proc/self/mountinfo") -> str | None:
-    """The type of the file system ``fd`` is on, as the mount table says (None: unknown)."""
+    """The type of the file system ``fd`` is on, as the mount table says (None: unknown),
+    else as ``fstatfs`` says (a btrfs subvolume's device is not the one its mount lists)."""
+    return _mount_type(fd, mountinfo) or _statfs_type(fd)
+
+
+def _mount_type(fd: int, mountinfo: str) -> str | None:
     try:
         dev = os.fstat(fd).st_dev
         want = f"{os.major(dev)}:{os.minor(dev)}"
@@ -299,11 +330,14 @@ def drops_cache(fd: int) -> bool:
 
 def drop_cached(fd: int, offset: int = 0, length: int = 0) -> None:
     """Make the next read of ``[offset, offset + length)`` (0: to the end) ask the volume,
-    not cached pages. Whole pages only: the kernel rounds a partial first page *up*, so
-    the range starts at the page ``offset`` is in. Callers ask only where ``drops_cache``."""
+    not cached pages. The kernel drops whole pages only, rounding a partial first page
+    *up* and a partial last page (not at the file's end) *down*: the range is widened to
+    the pages it touches (64 KiB pages on some arm64 hosts: a 4 KiB range dropped
+    nothing). Callers ask only where ``drops_cache``."""
+    start = offset - offset % PAGE
+    end = 0 if not length else -(-(offset + length) // PAGE) * PAGE
     with contextlib.suppress(OSError):
-        os.posix_fadvise(fd, offset - offset % PAGE, length + offset % PAGE if length else 0,
-                         os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, start, end - start if length else 0, os.POSIX_FADV_DONTNEED)
 
 
 RACY_NS = 50_000_000  # above any kernel's timestamp tick (jiffies: 1-10 ms)
