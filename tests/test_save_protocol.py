@@ -11,6 +11,8 @@ held at a gate (a delaying mover) and a store whose writes are held at another.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import threading
 
 import numpy as np
@@ -149,3 +151,39 @@ def test_saves_past_the_staging_cap_are_skipped_as_busy(side):
     page = 64 << 10
     assert w.staging_peak == 21 * 2 * page <= 3 << 20  # the most ever held, under the cap
     assert w.get_kv_connector_stats().data["staging_peak_bytes"] == w.staging_peak
+
+
+def test_io_threads_run_on_the_cores_vllm_reserved_not_the_compute_ones(side, monkeypatch):
+    """vLLM's CPU backend binds a worker to its compute cores and reserves others of the
+    node for the scheduler and a connector's transfers. The worker's threads inherited
+    the binding: saves and loads ran on the compute core while the reserved one idled.
+    Here the test's thread plays a worker bound to CPU 0 under a process allowed 0-1."""
+    def cpus() -> set[int]:
+        return set(os.sched_getaffinity(0))
+
+    allowed = cpus()
+    assert len(allowed) >= 2, "this test needs a machine with two CPUs"
+    compute, spare = min(allowed), allowed - {min(allowed)}
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    engine = subprocess.Popen(["sleep", "600"])  # the engine process: allowed every CPU
+    monkeypatch.setattr(os, "getppid", lambda: engine.pid)
+    os.sched_setaffinity(0, {compute})  # this thread only, as vLLM binds a worker
+    try:
+        w, _ = side()  # registers its caches: the plan is made now
+        seen: dict[str, set[int]] = {}
+        gather, write, opened = w.mover.gather, w.store.write, w.store.open_file
+        w.mover.gather = lambda *a, **k: (seen.setdefault("copy", cpus()), gather(*a, **k))[1]
+        w.store.write = lambda *a, **k: (seen.setdefault("write", cpus()), write(*a, **k))[1]
+        w.store.open_file = lambda *a, **k: (seen.setdefault("load", cpus()),
+                                             opened(*a, **k))[1]
+        save = job("c", [2, 3], seed=7)
+        w.wait_for_save(StepMeta(saves=[save]))
+        w.drain()
+        w.start_load_kv(StepMeta(loads=[load_job(save.plan.sha1, 2, [30, 31])]))
+        fut, _ = w.loads.pending["load"]
+        assert fut.result(WAIT) == []
+    finally:
+        os.sched_setaffinity(0, allowed)
+        engine.kill()
+        engine.wait()
+    assert seen == {"copy": spare, "write": spare, "load": allowed}, seen

@@ -34,7 +34,8 @@ class Loads:
     def __init__(self, *, store: Store, stats: StatsRecorder, trace: Trace,
                  namespaces: Namespaces, block_size: int, io_threads: int,
                  counts_tokens: bool, by_request: bool, lock: threading.Lock,
-                 report: Callable[[], WorkerReport], background: ThreadPoolExecutor):
+                 report: Callable[[], WorkerReport], background: ThreadPoolExecutor,
+                 pin: Callable[[], None] = lambda: None):
         """``by_request``: report a short load as the whole request (several KV cache
         groups); ``report`` is the worker's report of this step (called under ``lock``);
         ``background`` takes hit-count updates off the restore's path."""
@@ -42,8 +43,11 @@ class Loads:
         self.namespaces, self.block_size = namespaces, block_size
         self._counts_tokens, self._by_request = counts_tokens, by_request
         self._lock, self._report, self._background = lock, report, background
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvdisk-load")
-        self.readers = ThreadPoolExecutor(io_threads, thread_name_prefix="kvdisk-read")
+        # ``pin``: each thread's CPUs (connector/threads), set as it starts.
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvdisk-load",
+                                        initializer=pin)
+        self.readers = ThreadPoolExecutor(io_threads, thread_name_prefix="kvdisk-read",
+                                          initializer=pin)
         self.restorer: Restorer | None = None
         self.pending: dict[str, tuple[Future, LoadJob]] = {}  # req id -> (bad blocks, job)
         self._load_errors: set[int] = set()

@@ -23,7 +23,6 @@ Invariants:
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections import deque
@@ -46,6 +45,7 @@ from vllm_kvdisk.ops.recorder import StatsRecorder
 from vllm_kvdisk.core.encode import encode_plan
 from vllm_kvdisk.connector.loading import Loads
 from vllm_kvdisk.connector.staging import StagingPool
+from vllm_kvdisk.connector.threads import CpuPlan, current_plan, pin, shorten_gil_switch
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.ops.trace import Trace
 from vllm_kvdisk.connector.transfer import PageMover, pinned_buffer, unique_layers
@@ -76,9 +76,12 @@ class WorkerSide:
         self.trace = Trace.from_config(config)
         self.store = Store.from_config(config, on_evict=self._on_evict)
         # Loads never wait behind a save's write or fsync: each has its own threads. One
-        # copy thread takes page copies off the engine step, in order.
-        self.pool = ThreadPoolExecutor(config.kv_disk_io_threads, thread_name_prefix="kvdisk-write")
-        self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvdisk-copy")
+        # copy thread takes page copies off the engine step, in order. Their CPUs: threads.
+        self._cpus = CpuPlan()  # known once vLLM bound this process (register_kv_caches)
+        self.pool = ThreadPoolExecutor(config.kv_disk_io_threads, thread_name_prefix="kvdisk-write",
+                                       initializer=lambda: pin(self._cpus.saves))
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvdisk-copy",
+                                          initializer=lambda: pin(self._cpus.saves))
         self.staging = StagingPool(config.kv_disk_staging_mb * 1024 * 1024)
         self.mover: PageMover | None = None
         self._lock = threading.Lock()
@@ -97,7 +100,8 @@ class WorkerSide:
                            namespaces=self.namespaces, block_size=block_size,
                            io_threads=config.kv_disk_io_threads,
                            counts_tokens=self._counts_tokens, by_request=self.hybrid,
-                           lock=self._lock, report=lambda: self._report, background=self.pool)
+                           lock=self._lock, report=lambda: self._report, background=self.pool,
+                           pin=lambda: pin(self._cpus.loads))
 
     # -- setup ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -118,16 +122,10 @@ class WorkerSide:
             self.staging.allocate = pinned_buffer  # device copies want page-locked memory
         self.loads.attach(self.mover, self.staging, self.groups)
         self.store.start()
-        self._shorten_gil_switch()
+        self._cpus = current_plan()
+        shorten_gil_switch(self.config.kv_disk_gil_switch_us)
         log.info("kvdisk worker: %d layers, page %d bytes, %d checkpoint(s) on disk",
                  len(layers), self.mover.page_bytes, len(self.store.index))
-
-    def _shorten_gil_switch(self) -> None:
-        want = self.config.kv_disk_gil_switch_us / 1e6
-        if want and want < sys.getswitchinterval():
-            log.info("kvdisk: GIL switch interval %.0f -> %.0f us, so I/O threads are not "
-                     "starved by the engine loop", sys.getswitchinterval() * 1e6, want * 1e6)
-            sys.setswitchinterval(want)
 
     def _fp(self, scope: Scope) -> Fingerprint:
         return self.namespaces.fingerprint(scope.lora, scope.salt_digest)
