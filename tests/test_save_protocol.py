@@ -187,3 +187,23 @@ def test_io_threads_run_on_the_cores_vllm_reserved_not_the_compute_ones(side, mo
         engine.kill()
         engine.wait()
     assert seen == {"copy": spare, "write": spare, "load": allowed}, seen
+
+
+def test_a_held_request_is_released_however_many_steps_its_copy_took(side):
+    """An idle engine runs empty steps back to back while a copy runs. A held request was
+    released only within 4 steps of its finishing: a slower copy leaked its blocks, and
+    the engine kept stepping (both cores spinning) for good."""
+    w, _ = side()
+    gate = Gate(w.mover.gather)
+    w.mover.gather = gate
+    w.wait_for_save(StepMeta(saves=[job("slow", [1, 2], seed=8)]))
+    assert gate.entered.wait(WAIT)
+    w.wait_for_save(StepMeta(holds=["slow"]))
+    assert w.get_finished({"slow"}) == (None, None)
+    for _ in range(10):  # empty steps while the copy runs
+        w.wait_for_save(StepMeta())
+        assert w.get_finished(set()) == (None, None)
+    gate.open.set()
+    w.drain()
+    assert w.get_finished(set()) == ({"slow"}, None)
+    assert w.get_finished(set()) == (None, None)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -51,9 +50,6 @@ from vllm_kvdisk.ops.trace import Trace
 from vllm_kvdisk.connector.transfer import PageMover, pinned_buffer, unique_layers
 
 log = get_logger(__name__)
-
-FINISHED_MEMORY_STEPS = 4  # finished ids are kept this many steps for a late save job
-
 
 class WorkerSide:
     def __init__(self, config: KVDiskConfig, fingerprint: Fingerprint, block_size: int,
@@ -87,7 +83,6 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._report = WorkerReport()
         self._held: set[str] = set()  # finished requests whose pages were copied out
-        self._finished: deque[set[str]] = deque(maxlen=FINISHED_MEMORY_STEPS)
         self._inflight: dict[str, tuple[Future, SaveJob]] = {}  # sha1 -> (written?, job)
         self._copying: dict[str, int] = {}  # req id -> copies not finished
         self._copy_ended = threading.Condition(self._lock)
@@ -358,10 +353,13 @@ class WorkerSide:
         # Not self._step: wait_for_save ended its timing before vLLM asks for results,
         # and an idle wait in a step that decodes other requests would slow them all.
         recving = self.loads.finished(idle=self._idle)
-        self._finished.append(set(finished_req_ids))
-        recent = set().union(*self._finished)
-        with self._lock:  # held blocks go back once no copy of the request is running
-            sending = {req for req in self._held & recent if req not in self._copying}
+        # Held blocks go back once no copy of the request is running, however many steps
+        # that took: only finished requests are held (request_finished), and an idle engine
+        # runs empty steps back to back while it waits, so a copy may outlast any window of
+        # steps (a request released only within 4 steps of finishing leaked its blocks and
+        # kept the engine stepping, spinning both cores, for good).
+        with self._lock:
+            sending = {req for req in self._held if req not in self._copying}
         self._held -= sending
         return sending or None, recving or None
 
