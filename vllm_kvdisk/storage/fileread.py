@@ -261,15 +261,18 @@ def _read_hashed(fd: int, views: Sequence[memoryview], at: int, hasher: Any,
             batch.append(piece)
             room -= piece.nbytes
             if not room:
-                _preadv_exact(fd, batch, at, what)
-                for done in batch:
-                    hasher.update(done)
-                at += HOT_BYTES
+                at = _read_batch(fd, batch, at, hasher, what)
                 batch, room = [], HOT_BYTES
     if batch:
-        _preadv_exact(fd, batch, at, what)
-        for done in batch:
-            hasher.update(done)
+        _read_batch(fd, batch, at, hasher, what)
+
+
+def _read_batch(fd: int, batch: list[memoryview], at: int, hasher: Any, what: str) -> int:
+    """Read ``batch`` at ``at``, hash it, and return the offset after it."""
+    _preadv_exact(fd, batch, at, what)
+    for piece in batch:
+        hasher.update(piece)
+    return at + sum(piece.nbytes for piece in batch)
 
 
 def _preadv_exact(fd: int, views: Sequence[memoryview], at: int, what: str) -> None:
