@@ -8,8 +8,8 @@ prompt's ids up to ``upto`` (exact ids, not a digest: this is what makes a resto
 the tokens the engine's own prefix cache would). Then the pages are read:
 
 * host-resident caches (the CPU backend) are read straight into runs of the target blocks,
-  no staging copy. A file whose blocks are all used is read with one ``preadv`` for all its
-  layers; pages not used (held by the device already, or past ``upto``) are read into
+  no staging copy, 1 MiB at a time, each piece hashed while it is in the CPU's caches
+  (``fileread.read_layers_into``); pages not used (held by the device already, or past ``upto``) are read into
   scratch only so the layer's checksum can be verified, one layer at a time so scratch
   goes back to the pool at once (fresh memory is slow to touch). Files in the page cache
   are read by all reader threads at once; cold files as one sequential stream (an
