@@ -1,12 +1,12 @@
 """Hybrid models on a real engine with vLLM's hybrid KV cache manager on: a sliding-window
 model restores exactly (after a restart, through a delta chain, from a file used partly);
-a Gated-DeltaNet model is refused at start-up, never served wrong."""
+a Gated-DeltaNet model restores its linear-attention state exactly."""
 
 import glob
 import os
 
 import pytest
-from engine import engine, events, generate, random_prompt
+from engine import engine, events, generate, random_prompt, wait_events
 
 from vllm_kvdisk.core.format import GroupKind
 from vllm_kvdisk.storage.fileread import read_meta
@@ -120,12 +120,47 @@ def test_window_pages_restored_are_byte_identical(gemma3_model, tmp_path):
     assert restored == computed
 
 
-def test_gated_deltanet_model_is_refused_at_startup(qwen3next_model, tmp_path):
-    from vllm_kvdisk.core.compat import UnsupportedConfig
-
-    with pytest.raises(UnsupportedConfig, match="Mamba / linear-attention"):
-        with engine(qwen3next_model, str(tmp_path / "kv"), llm_args={"dtype": "bfloat16"}):
-            pass
+def test_gated_deltanet_model_restores_exactly(qwen3next_model, tmp_path):
+    """Qwen3-Next (Gated-DeltaNet + full attention, bf16) with HMA on: a checkpoint holds
+    the attention pages and the linear-attention state after its last token; a disk
+    restore answers exactly as vLLM's own prefix-cache hit at the same position, in the
+    same engine and after a restart, through a delta chain; a prompt that leaves a file
+    in its middle restores up to the parent's end, where a state is stored."""
+    kv, trace = str(tmp_path / "kv"), str(tmp_path / "trace.txt")
+    a = random_prompt(1500, seed=11)  # vLLM keeps a state at 1280 (block 640)
+    b = a + random_prompt(1500, seed=12)  # the next turn: 2560, a delta on a's file
+    d = b[:2000] + random_prompt(400, seed=13)  # leaves b's file at 1920: no state there
+    args = {"dtype": "bfloat16"}
+    # vLLM's own prefix cache, no kvdisk: a and b each a device hit the second time, d a
+    # device hit at 1280 (a's state; b's prefill kept none at 1920).
+    with engine(qwen3next_model, None, llm_args=args) as llm:
+        runs = [generate(llm, p, max_tokens=24) for p in (a, a, b, b, d)]
+    reference = {"a": runs[1], "b": runs[3], "d": runs[4]}
+    assert [cached for _, cached in reference.values()] == [1280, 2560, 1280]
+    with engine(qwen3next_model, kv, trace=trace, llm_args=args) as llm:
+        groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+        assert generate(llm, a, max_tokens=24)[0] == runs[0][0]
+        reset(llm)
+        assert generate(llm, a, max_tokens=24) == reference["a"]  # from disk, same engine
+        generate(llm, b, max_tokens=24)
+    assert [type(g.kv_cache_spec).__name__ for g in groups] == ["MambaSpec", "FullAttentionSpec"]
+    on_disk = files(kv)
+    assert sorted(on_disk) == [1280, 2560]
+    root, delta = on_disk[1280].payload, on_disk[2560].payload
+    # The state group holds one block, the state after the file's last token; the full
+    # group the blocks the file owns.
+    assert [(g.kind, g.first_block, g.num_blocks) for g in root.groups] == [
+        (GroupKind.STATE, 1, 1), (GroupKind.FULL, 0, 2)]
+    assert [(g.kind, g.first_block, g.num_blocks) for g in delta.groups] == [
+        (GroupKind.STATE, 3, 1), (GroupKind.FULL, 2, 2)]
+    assert delta.parent_sha1 is not None and root.version == delta.version == 3
+    with engine(qwen3next_model, kv, trace=trace, llm_args=args) as llm:  # the disk only
+        got_b = generate(llm, b, max_tokens=24)
+        reset(llm)
+        got_d = generate(llm, d, max_tokens=24)
+    assert got_b == reference["b"]  # both files: b's state, attention from both
+    assert got_d == reference["d"]  # a's file only, and its state at 1280
+    assert wait_events(trace, "hit", where=lambda e: "state not stored" in e.line)
 
 
 def test_a_corrupt_window_page_recomputes_the_request(gemma3_model, tmp_path):

@@ -83,7 +83,8 @@ def test_full_and_window_groups_are_served():
     assert groups_signature((Group(GroupKind.FULL, 4),)) == ""  # the layout it always had
 
 
-@pytest.mark.parametrize("spec,words", [("MambaSpec", "Mamba / linear-attention"),
+@pytest.mark.parametrize("spec,words", [("MambaSpec", "Mamba / linear-attention states in "
+                                                      "vLLM's mamba cache mode 'none'"),
                                         ("ChunkedLocalAttentionSpec", "chunked local"),
                                         ("SinkFullAttentionSpec", "SinkFullAttentionSpec")])
 def test_state_and_other_groups_are_refused_with_the_reason(spec, words):
@@ -107,9 +108,22 @@ def test_vllm_specs_are_read_as_their_kind():
     full = FullAttentionSpec(block_size=B, num_kv_heads=2, head_size=64, dtype=torch.float32)
     window = SlidingWindowSpec(block_size=B, num_kv_heads=2, head_size=64, dtype=torch.float32,
                                sliding_window=W)
-    mamba = MambaSpec(block_size=B, shapes=((4, 8),), dtypes=(torch.float32,),
-                      mamba_cache_mode="align")
     assert kv_groups([group_info(window, 2), group_info(full, 2)]) == (
         Group(GroupKind.WINDOW, 2, W), Group(GroupKind.FULL, 2))
-    with pytest.raises(UnsupportedConfig, match="Mamba"):
-        kv_groups([group_info(mamba, 2), group_info(full, 2)])
+    # A Mamba state padded to the attention page (vLLM's align mode) is a state group;
+    # the same unpadded, or in another cache mode, is refused.
+    page = full.page_size_bytes
+    mamba = MambaSpec(block_size=B, shapes=((4, 8), (2, 2)), dtypes=(torch.bfloat16, torch.float32),
+                      mamba_cache_mode="align", page_size_padded=page)
+    info = group_info(mamba, 2)
+    assert info.state == (((4, 8), "bfloat16"), ((2, 2), "float32")) and info.page_bytes == page
+    assert kv_groups([info, group_info(full, 2)]) == (Group(GroupKind.STATE, 2),
+                                                       Group(GroupKind.FULL, 2))
+    unpadded = MambaSpec(block_size=B, shapes=((4, 8),), dtypes=(torch.float32,),
+                         mamba_cache_mode="align")
+    with pytest.raises(UnsupportedConfig, match="aligned layout"):
+        kv_groups([group_info(unpadded, 2), group_info(full, 2)])
+    other_mode = MambaSpec(block_size=B, shapes=((4, 8),), dtypes=(torch.float32,),
+                           mamba_cache_mode="all", page_size_padded=page)
+    with pytest.raises(UnsupportedConfig, match="mamba cache mode 'all'"):
+        kv_groups([group_info(other_mode, 2), group_info(full, 2)])

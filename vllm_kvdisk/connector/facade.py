@@ -109,6 +109,7 @@ class KVDiskConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         self._sched.kv_cache_manager = kv_cache_manager
+        self._sched.states.pool = getattr(kv_cache_manager, "block_pool", None)
         null = getattr(getattr(kv_cache_manager, "block_pool", None), "null_block", None)
         if null is not None:
             self._sched.blocks.null_block = null.block_id

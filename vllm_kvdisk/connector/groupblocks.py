@@ -2,8 +2,11 @@
 
 A full-attention group's blocks are the file's own, ``[parent_tokens, tokens)``; a
 sliding-window group's are only the window a hit at the file's end needs
-(``format.window_blocks``), whatever the parent. vLLM's null block stands where a window
-has moved on: a load never fills it, and a save whose window is partly gone is not made.
+(``format.window_blocks``), whatever the parent; a state group's is one block, the state
+after the file's last token: a save takes it from the block vLLM handed over for that
+boundary (``states``), a load puts the last file's into the request's block of the hit
+(``format.state_block``). vLLM's null block stands where a window has moved on: a load
+never fills it, and a save whose window is partly gone is not made.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_kvdisk.connector.jobs import LoadJob
-from vllm_kvdisk.core.format import Group, GroupKind, is_hybrid, window_blocks
+from vllm_kvdisk.core.format import Group, GroupKind, is_hybrid, state_block, window_blocks
 from vllm_kvdisk.core.planner import window_sources
 
 
@@ -22,6 +25,14 @@ class GroupBlocks:
         self.windows = [g.window for g in groups if g.kind == GroupKind.WINDOW]
         self.hybrid = is_hybrid(groups)
         self.null_block = 0  # vLLM's null block (skipped window blocks): from the manager
+
+    def main(self, all_ids: Any) -> list[int]:
+        """The block table of the first attention group (a state group's table is mostly
+        vLLM's null block): what a load's and a save's block count is checked against."""
+        for group, ids in zip(self.groups, all_ids):
+            if group.kind != GroupKind.STATE:
+                return list(ids)
+        return list(all_ids[0]) if len(all_ids) else []
 
     def place(self, job: LoadJob, segments: list, all_ids: Any, local: int, hit: int) -> None:
         """Per group, the engine blocks to fill and which file fills which: a full group's
@@ -34,7 +45,13 @@ class GroupBlocks:
         files = [(s.entry.tokens, s.upto) for s in segments]
         per_group = []
         for group, ids in zip(self.groups, job.groups):
-            if group.kind == GroupKind.WINDOW:
+            if group.kind == GroupKind.STATE:  # the state at the hit: the last file's
+                last = segments[-1] if segments else None
+                if last is None or last.upto != hit or last.entry.tokens != hit:
+                    raise ValueError("the hit does not end where a file's state is stored")
+                p = state_block(hit, bs)
+                sources = [(0, 0)] * (len(segments) - 1) + [(p, p + 1)]
+            elif group.kind == GroupKind.WINDOW:
                 sources = window_sources(files, hit, local, group.window, bs)
                 if sources is None:
                     raise ValueError("a sliding window the hit needs is not stored")
@@ -50,12 +67,20 @@ class GroupBlocks:
         if end - start != len(job.block_ids):
             raise ValueError("fewer blocks allocated than the hit covers")
 
-    def stored(self, group_ids: list[list[int]], parent_tokens: int,
-               length: int) -> list[list[int]] | None:
+    def stored(self, group_ids: list[list[int]], parent_tokens: int, length: int,
+               states: dict[int, int] | None = None) -> list[list[int]] | None:
         """Per group, the engine blocks a file ``[parent_tokens, length)`` stores, or None
-        when vLLM has already freed part of a window (its save cannot be made)."""
+        when vLLM has already freed part of a window, or holds no state at ``length``
+        (its save cannot be made). ``states``: per state group's index, the block vLLM
+        handed over with the state after ``length`` tokens."""
         bs, out = self.block_size, []
-        for group, ids in zip(self.groups, group_ids):
+        for g, (group, ids) in enumerate(zip(self.groups, group_ids)):
+            if group.kind == GroupKind.STATE:
+                block = (states or {}).get(g)
+                if block is None or block == self.null_block:
+                    return None
+                out.append([block])
+                continue
             if group.kind == GroupKind.WINDOW:
                 first, count = window_blocks(length, group.window, bs)
             else:

@@ -38,10 +38,11 @@ class SavePlanning:
         return jobs
 
     def plan(self, st: RequestState, due: list[tuple[int, Reason]],
-             group_ids: list[list[int]]) -> bool:
+             group_ids: list[list[int]], states: dict[int, int] | None = None) -> bool:
         """Plan the due saves of one request (``group_ids``: its block ids, one list per
-        KV cache group); True if any was planned."""
-        block_ids = group_ids[0] if group_ids else []
+        KV cache group; ``states``: per state group, the block holding the state at the
+        one due position); True if any was planned."""
+        block_ids = self.blocks.main(group_ids)
         request = st.request
         cap = st.control.max_save_tokens
         if cap is not None:  # positions past the cap become one checkpoint at the cap
@@ -69,7 +70,7 @@ class SavePlanning:
                 continue
             stored: list[list[int]] = []
             if self.blocks.hybrid:
-                stored = self.blocks.stored(group_ids, plan.parent_tokens, length) or []
+                stored = self.blocks.stored(group_ids, plan.parent_tokens, length, states) or []
                 if not stored:  # the window before this position is gone already
                     continue
                 owned = stored[0]

@@ -31,6 +31,7 @@ from vllm_kvdisk.connector.events import DiskEvents
 from vllm_kvdisk.connector.groupblocks import GroupBlocks
 from vllm_kvdisk.connector.saveplans import SavePlanning
 from vllm_kvdisk.connector.signals import on_stop_signal
+from vllm_kvdisk.connector.statehandoffs import StateHandoffs
 from vllm_kvdisk.core.format import FULL_ONLY, Group
 from vllm_kvdisk.core.index import Lookup, Miss
 from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, Scope, StepMeta, WorkerReport
@@ -40,7 +41,7 @@ from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.connector.guard import guarded
 from vllm_kvdisk.ops.metrics import KVDiskStats, snapshot
 from vllm_kvdisk.ops.recorder import StatsRecorder
-from vllm_kvdisk.core.planner import Planner, trim_to_windows
+from vllm_kvdisk.core.planner import Planner, trim_to_states, trim_to_windows
 from vllm_kvdisk.core.policy import LoadCostModel
 from vllm_kvdisk.core.saverules import Grid, SaveRules
 from vllm_kvdisk.storage.store import Store
@@ -61,6 +62,7 @@ class SchedulerSide:
         self.groups = groups
         self.blocks = GroupBlocks(groups, block_size)
         self.windows = self.blocks.windows
+        self.states = StateHandoffs(groups)  # Mamba / linear-attention states to save
         self.workers = workers  # every worker confirms each save job's copy once
         self.base_fp = fingerprint
         self.table = table
@@ -71,7 +73,7 @@ class SchedulerSide:
         self.rules = SaveRules(grid, config.kv_cache_min_tokens, config.kv_cache_cold_max_tokens,
                                config.kv_cache_continued_interval_tokens,
                                config.kv_cache_tail_checkpoints,
-                               cold_before_last_token=bool(self.windows))
+                               cold_before_last_token=bool(self.windows) or self.states.active)
         self.stats = StatsRecorder()
         self.store = Store.from_config(config)
         started = time.monotonic()
@@ -148,18 +150,22 @@ class SchedulerSide:
             ids = as_token_array(request.prompt_token_ids[:usable])
             st.memo, st.memo_key, st.memo_ids = self.planner.lookup(st.ns, ids, usable), memo_key, ids
             st.declined = None
-            if self.windows:  # a hit needs the window before it in every window group
-                st.memo = trim_to_windows(st.memo, num_computed_tokens, self.windows,
-                                          self.block_size)
+            self._trim(st, num_computed_tokens)
             if self.config.kv_disk_load_policy == "auto" and st.memo.tokens > num_computed_tokens:
                 self._apply_policy(st, num_computed_tokens)
-                if self.windows:  # a cut may end inside a file used partly
-                    st.memo = trim_to_windows(st.memo, num_computed_tokens, self.windows,
-                                              self.block_size)
+                self._trim(st, num_computed_tokens)  # a cut may end inside a file used partly
         hit = st.memo.tokens if st.memo else 0
         if hit <= num_computed_tokens:
             return 0, False
         return hit - num_computed_tokens, True
+
+    def _trim(self, st: RequestState, num_computed: int) -> None:
+        """A hybrid model's hit needs the window before it in every window group, and a
+        stored state at its end in every state group."""
+        if self.windows:
+            st.memo = trim_to_windows(st.memo, num_computed, self.windows, self.block_size)
+        if self.states.active:
+            st.memo = trim_to_states(st.memo, num_computed)
 
     def _apply_policy(self, st: RequestState, num_computed: int) -> None:
         """Cut the chain to the part that is cheaper to load than to recompute (a file is
@@ -194,7 +200,7 @@ class SchedulerSide:
         start, end = local // bs, hit // bs
         try:
             all_ids = blocks.get_block_ids()
-            block_ids = list(all_ids[0][start:end])
+            block_ids = self.blocks.main(all_ids)[start:end]
             segments = [s for s in lookup.segments if s.upto > local]
             files = [LoadFile(s.entry.sha1, s.entry.parent_tokens, s.upto, s.entry.tokens,
                               s.entry.inode) for s in segments]
@@ -207,7 +213,7 @@ class SchedulerSide:
             log.exception("kvdisk: planning the load of %s failed", request.request_id)
             all_ids = blocks.get_block_ids()
             job = LoadJob(request.request_id, st.scope, [], start,
-                          list(all_ids[0][start:end]), fail=str(exc),
+                          self.blocks.main(all_ids)[start:end], fail=str(exc),
                           groups=[list(g[start:end]) for g in all_ids] if len(all_ids) > 1 else [])
         self._loads.append(job)
         self.stats.add("tokens_looked_up", request.num_prompt_tokens)
@@ -226,6 +232,7 @@ class SchedulerSide:
         meta = StepMeta(self._loads, [], scheduler_output.total_num_scheduled_tokens)
         self._loads = []
         try:
+            self.states.take(scheduler_output, lambda r: getattr(self._reqs.get(r), "may_save", False))
             for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
                 st = self._reqs.get(req_id)
                 if st is None or not st.may_save:
@@ -234,7 +241,7 @@ class SchedulerSide:
                 before = request.num_computed_tokens
                 due = self.rules.on_step(request.num_prompt_tokens, before, before + n_sched)
                 if due:
-                    self.saves.plan(st, due, self._block_ids(req_id))
+                    self._plan(st, due)
             if self._shutdown_requested and not self._shutdown_saved:
                 self._shutdown_saved = True
                 self._checkpoint_running()
@@ -254,7 +261,23 @@ class SchedulerSide:
                 continue
             due = self.rules.on_shutdown(st.request.num_computed_tokens)
             if due:
-                self.saves.plan(st, due, self._block_ids(req_id))
+                self._plan(st, due)
+
+    def _plan(self, st: RequestState, due: list, group_ids: list[list[int]] | None = None) -> bool:
+        """Plan a request's due saves. A state model saves only where a state is kept:
+        at the newest boundary vLLM handed over, if a save is due at or after it."""
+        if group_ids is None:
+            group_ids = self._block_ids(st.request.request_id)
+        if not self.states.active:
+            return self.saves.plan(st, due, group_ids)
+        found = self.states.boundary(st.request.request_id)
+        if found is None or not due:
+            return False
+        tokens, blocks = found
+        later = [reason for length, reason in due if length >= tokens]
+        if not later or tokens < self.rules.min_tokens:
+            return False
+        return self.saves.plan(st, [(tokens, later[0])], group_ids, states=blocks)
 
     @guarded("request_finished", lambda: (False, None))
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -269,10 +292,15 @@ class SchedulerSide:
         st = self._reqs.pop(request.request_id, None)
         if st is None or not st.may_save:
             # A request aborted mid-load is released by its finished_recving, never here.
+            self.states.finished(request.request_id, saving=False)
             return False, None
         tables = min((len(ids) for ids in group_ids), default=0)
         computed = min(request.num_computed_tokens, tables * self.block_size)
-        self.saves.plan(st, self.rules.on_finished(computed), group_ids)
+        planned = False
+        try:
+            planned = self._plan(st, self.rules.on_finished(computed), group_ids)
+        finally:  # a state pin outlives the request only for a save copied later
+            self.states.finished(request.request_id, saving=planned and st.holds_blocks)
         if not st.holds_blocks:
             return False, None
         # Some copy of its pages may still run (copies run after the step that planned
@@ -285,6 +313,7 @@ class SchedulerSide:
     @guarded("update_connector_output", lambda: None)
     def update_connector_output(self, output: Any) -> None:
         self._held.difference_update(output.finished_sending or ())
+        self.states.released(output.finished_sending)
         report = output.kv_connector_worker_meta
         for req_id in report.copied if isinstance(report, WorkerReport) else ():
             st = self._reqs.get(req_id)

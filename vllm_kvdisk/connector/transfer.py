@@ -83,6 +83,39 @@ def group_kernel_blocks(layers: Sequence[torch.Tensor], num_blocks: int) -> list
     return out
 
 
+def block_pages(value: torch.Tensor | Sequence[torch.Tensor], num_blocks: int) -> torch.Tensor:
+    """One layer's blocks as raw bytes, ``[num_blocks, page_bytes]``: block ``b`` is the
+    ``page_bytes`` from its first byte, whatever views vLLM made of it.
+
+    For models with Mamba / linear-attention state groups: vLLM hands a state layer as
+    views of its state tensors (or one byte view of them) carved out of each block's page
+    (padded to the attention page), and lays the attention layers beside them block-outer,
+    so a block's bytes are one run of the page size in every layer. Copying that run whole
+    copies the state (or the K/V page) exactly. A view whose blocks do not lie in runs of
+    one stride (a layout kvdisk cannot address by block) is refused."""
+    tensors = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not tensors or num_blocks < 1:
+        raise ValueError("kvdisk: an empty KV cache layer")
+    storage = tensors[0].untyped_storage()
+    starts, page = [], 0
+    for t in tensors:
+        rows, size = int(t.shape[0]), t.element_size()
+        if t.untyped_storage().data_ptr() != storage.data_ptr() or rows % num_blocks:
+            raise ValueError("kvdisk: a KV cache layer's views are not blocks of one buffer")
+        stride = int(t.stride(0)) * size * (rows // num_blocks)  # a kernel-block split: whole blocks
+        extent = size * (1 + sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:])))
+        if min(t.stride()) < 0 or page not in (0, stride) or extent > int(t.stride(0)) * size:
+            raise ValueError("kvdisk: a KV cache layer is not laid out block by block, so its "
+                             "pages cannot be copied by block id")
+        page = stride
+        starts.append((t.storage_offset() * size, extent))
+    base = min(a for a, _ in starts)
+    if any(a + n > base + page for a, n in starts) or base + num_blocks * page > storage.nbytes():
+        raise ValueError("kvdisk: a KV cache layer's state does not fit one page per block")
+    raw = torch.empty(0, dtype=torch.uint8, device=tensors[0].device)
+    return raw.set_(storage, base, (num_blocks, page), (page, 1))
+
+
 class CudaStreams:
     """The few CUDA calls the page copies make, in one place (tests replace it with a
     recorder, since no GPU runs them here).

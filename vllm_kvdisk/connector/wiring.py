@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_kvdisk.core.compat import (GroupInfo, Placement, UnsupportedConfig, check_context_parallel,
                                      check_kv_dtype, groups_signature, kv_dtype_identity, kv_groups,
-                                     kv_shard, layer_range, tp_replicas)
+                                     kv_shard, layer_range, state_signature, tp_replicas)
+from vllm_kvdisk.core.format import GroupKind
 from vllm_kvdisk.core.config import KVDiskConfig, load_config
 from vllm_kvdisk.core.identity import model_identity
 from vllm_kvdisk.core.keys import Fingerprint
@@ -48,10 +49,14 @@ def engine_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig |
     check_context_parallel(getattr(parallel, "decode_context_parallel_size", 1),
                            getattr(parallel, "prefill_context_parallel_size", 1))
     check_kv_dtype(str(cache.cache_dtype))  # before the tensor dtype: int8 has no name
-    groups = kv_groups([group_info(g.kv_cache_spec, len(g.layer_names))
-                        for g in kv_cache_config.kv_cache_groups])
-    group = kv_cache_config.kv_cache_groups[0]
-    spec = group.kv_cache_spec
+    infos = [group_info(g.kv_cache_spec, len(g.layer_names))
+             for g in kv_cache_config.kv_cache_groups]
+    groups = kv_groups(infos)
+    states = tuple(state_signature(i.state) for i in infos if i.state_mode)
+    # Heads, head size and dtype come from the first attention group (kv_groups checked
+    # that there is one); a state group's geometry is in the groups' signature.
+    spec = next(g.kv_cache_spec for g, kind in zip(kv_cache_config.kv_cache_groups, groups)
+                if kind.kind != GroupKind.STATE)
     head_v = getattr(spec, "head_size_v", None) or spec.head_size
     try:
         layout = str(cache.get_resolved_kv_cache_layout().name)
@@ -65,6 +70,8 @@ def engine_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig |
     # own shape (MLA, fewer KV heads than ranks) says it too. Both divide tp_size.
     replicas = max(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1, tp_replicas(
         tp_size, model_config.get_total_num_kv_heads(), mla=isinstance(spec, MLAAttentionSpec)))
+    if states:  # linear-attention states are sharded by head: every rank's are its own
+        replicas = 1
     shard = kv_shard(tp_rank, tp_size, replicas)
     kv_dtype = kv_dtype_identity(str(cache.cache_dtype), dtype_name(spec.dtype),
                                  tuple(getattr(cache, "kv_cache_dtype_skip_layers", ()) or ()))
@@ -73,7 +80,7 @@ def engine_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig |
         model=model, revision=revision, kv_dtype=kv_dtype,
         layout=f"{current_platform.device_type}:{layout}/"
                f"L{len(names)}xH{spec.num_kv_heads}xC{spec.head_size + head_v}"
-               + groups_signature(groups),
+               + groups_signature(groups, states),
         block_size=spec.block_size, tp_size=tp_size, tp_rank=shard.index,
         pp_size=pp_size, pp_rank=pp_rank if pp_size > 1 else 0,
         layers=layer_range(names) if pp_size > 1 else "")
@@ -94,8 +101,16 @@ def group_info(spec: Any, layers: int) -> GroupInfo:
     # Subclasses of FullAttentionSpec that change which blocks a hit needs (a window that
     # skips a middle gap, sinks, sparse sources) are not plain full attention.
     full = type(spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec")
+    state_mode, state = "", ()
+    if type(spec).__name__ == "MambaSpec":
+        state_mode = str(getattr(spec, "mamba_cache_mode", "") or "none")
+        state = tuple((tuple(int(d) for d in shape), str(dtype).removeprefix("torch."))
+                      for shape, dtype in zip(spec.shapes, spec.dtypes))
     return GroupInfo(type(spec).__name__, layers, int(spec.block_size), page,
-                     full=full and isinstance(spec, FullAttentionSpec), window=window)
+                     full=full and isinstance(spec, FullAttentionSpec), window=window,
+                     state_mode=state_mode, state=state,
+                     speculative_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0),
+                     page_bytes=int(getattr(spec, "page_size_bytes", 0) or 0))
 
 
 def token_table_for(vllm_config: VllmConfig) -> TokenTable:

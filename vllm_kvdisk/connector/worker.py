@@ -33,7 +33,7 @@ import numpy as np
 from vllm_kvdisk.storage.budget import SaveSkipped
 from vllm_kvdisk.core.compat import Placement
 from vllm_kvdisk.core.config import KVDiskConfig
-from vllm_kvdisk.core.format import GroupKind, is_hybrid
+from vllm_kvdisk.core.format import GroupKind, has_state, is_hybrid
 from vllm_kvdisk.core.entry import Entry
 from vllm_kvdisk.connector.jobs import SaveJob, Scope, StepMeta, WorkerReport
 from vllm_kvdisk.core.keys import Fingerprint, Namespaces
@@ -47,7 +47,7 @@ from vllm_kvdisk.connector.staging import StagingPool
 from vllm_kvdisk.connector.threads import CpuPlan, current_plan, pin, shorten_gil_switch
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.ops.trace import Trace
-from vllm_kvdisk.connector.transfer import PageMover, pinned_buffer, unique_layers
+from vllm_kvdisk.connector.transfer import PageMover, block_pages, pinned_buffer, unique_layers
 
 log = get_logger(__name__)
 
@@ -105,7 +105,12 @@ class WorkerSide:
         if missing:  # another stage's layers: its files would restore into the wrong layers
             raise ValueError(f"kvdisk: the KV caches registered lack {len(missing)} layer(s) "
                              f"of this worker's KV cache config, e.g. {missing[0]}")
-        if place.group_layers:  # one tensor per layer of each group, in group order: the
+        if has_state(self.groups):  # every layer as raw block pages (a state's views sit
+            # inside each block's page, K/V block-outer beside them): transfer.block_pages
+            names = place.group_layers or (place.layer_names,)
+            layers = [block_pages(kv_caches[name], place.num_blocks)
+                      for group in names for name in group]
+        elif place.group_layers:  # one tensor per layer of each group, in group order: the
             # groups' views alias one allocation, so nothing may be de-duplicated
             layers = [kv_caches[name] for names in place.group_layers for name in names]
         else:
@@ -221,12 +226,12 @@ class WorkerSide:
             layer_ids = self._layer_ids(job)
             pages = [self.staging.get(len(ids) * mover.page_bytes) for ids in layer_ids]
             if job.groups:
-                # Window pages first: vLLM may free those blocks in the next step (the
-                # engine waits for them in handle_preemptions); a running request keeps
-                # its full-attention blocks.
+                # Window and state pages first: vLLM may free those blocks in the next
+                # step (the engine waits for them in handle_preemptions); a running
+                # request keeps its full-attention blocks.
                 kinds = [g.kind for g in self.groups for _ in range(g.layers)]
                 for want_window in (True, False):
-                    part = [i for i, k in enumerate(kinds) if (k == GroupKind.WINDOW) == want_window]
+                    part = [i for i, k in enumerate(kinds) if (k != GroupKind.FULL) == want_window]
                     mover.gather_layers([layer_ids[i] for i in part], [pages[i] for i in part],
                                         after=after, layers=part)
                     if want_window:

@@ -14,8 +14,11 @@ whose block arithmetic it does not follow) must be refused at start-up, never ru
 * **KV cache groups (hybrid models).** With vLLM's hybrid KV cache manager a model has one
   group per layer type, each with its own block table. Full-attention groups and
   sliding-window groups are served (a window group's checkpoint holds the window a hit at
-  its position needs); Mamba / linear-attention state groups and every other kind are
-  refused, as are groups whose pages differ in shape, dtype or block size.
+  its position needs), and so are Mamba / linear-attention (Gated-DeltaNet) state groups
+  in vLLM's "align" mode beside attention (a checkpoint holds the state after its last
+  token: vLLM keeps one per block there, padded to the attention page). Every other kind
+  is refused, as are attention groups whose pages differ in shape, dtype or block size and
+  state groups whose block or page size is not the attention groups'.
 * **Replicated KV.** MLA's latent cache, and GQA with fewer KV heads than TP ranks, give
   several ranks identical pages: those ranks share one namespace (the KV *shard*), one of
   them writes it and all of them read it.
@@ -134,8 +137,6 @@ def layer_range(names: list[str]) -> str:
 
 # vLLM KV cache spec classes (by name) and why kvdisk refuses them.
 _REFUSED_SPECS = {
-    "MambaSpec": "keeps Mamba / linear-attention (Gated-DeltaNet) states, which kvdisk does "
-                 "not checkpoint yet (a restore would need the state at the hit's position)",
     "ChunkedLocalAttentionSpec": "uses chunked local attention, whose block arithmetic kvdisk "
                                  "does not follow",
     "CrossAttentionSpec": "is an encoder-decoder cross-attention cache (per request, not a "
@@ -153,6 +154,27 @@ class GroupInfo:
     page: tuple  # anything that tells the pages apart: (dtype, kv heads, head sizes)
     full: bool = False  # a FullAttentionSpec (MLA included)
     window: int = 0  # a SlidingWindowSpec's window plus its retained tokens
+    # A MambaSpec: its cache mode, speculative blocks, and its state tensors' shapes and
+    # dtypes (what tells two models' states apart: part of the namespace).
+    state_mode: str = ""
+    state: tuple = ()
+    speculative_blocks: int = 0
+    page_bytes: int = 0  # the group's page (a state group's padded to the attention page)
+
+
+def _state_group(i: int, g: GroupInfo) -> Group:
+    if g.state_mode != "align":
+        raise UnsupportedConfig(
+            f"kvdisk: KV cache group {i} keeps Mamba / linear-attention states in vLLM's "
+            f"mamba cache mode {g.state_mode or 'none'!r}, where vLLM keeps no state at block "
+            "boundaries to checkpoint. Run with prefix caching on (--enable-prefix-caching, "
+            "which picks --mamba-cache-mode align), or without kvdisk.")
+    if g.speculative_blocks:
+        raise UnsupportedConfig(
+            f"kvdisk: KV cache group {i} keeps {g.speculative_blocks} speculative Mamba state "
+            "block(s) (speculative decoding on a linear-attention model), which kvdisk does "
+            "not checkpoint. Run without speculative decoding, or without kvdisk.")
+    return Group(GroupKind.STATE, g.layers)
 
 
 def kv_groups(groups: list[GroupInfo]) -> tuple[Group, ...]:
@@ -165,26 +187,58 @@ def kv_groups(groups: list[GroupInfo]) -> tuple[Group, ...]:
             out.append(Group(GroupKind.FULL, g.layers))
         elif g.window > 0:
             out.append(Group(GroupKind.WINDOW, g.layers, window=g.window))
+        elif g.spec == "MambaSpec":
+            out.append(_state_group(i, g))
         else:
             why = _REFUSED_SPECS.get(g.spec, f"has a {g.spec} KV cache that kvdisk does not "
                                      "know how to checkpoint exactly")
             raise UnsupportedConfig(
                 f"kvdisk: KV cache group {i} of this model {why}. kvdisk serves full-attention "
-                "and sliding-window layers only; run this model without kvdisk.")
-    first = groups[0]
-    for i, g in enumerate(groups[1:], 1):
+                "and sliding-window layers and Mamba / linear-attention states only; run this "
+                "model without kvdisk.")
+    attention = [(i, g) for (i, g), kind in zip(enumerate(groups), out)
+                 if kind.kind != GroupKind.STATE]
+    if not attention:
+        raise UnsupportedConfig(
+            "kvdisk: this model keeps only Mamba / linear-attention states (no attention "
+            "layer), which kvdisk does not checkpoint. Run it without kvdisk.")
+    f, first = attention[0]
+    for i, g in attention[1:]:
         if (g.block_size, g.page) != (first.block_size, first.page):
             raise UnsupportedConfig(
                 f"kvdisk: KV cache group {i} has pages of block size {g.block_size} / "
-                f"{g.page}, group 0 of {first.block_size} / {first.page}; kvdisk needs every "
+                f"{g.page}, group {f} of {first.block_size} / {first.page}; kvdisk needs every "
                 "group to have the same page geometry. Run this model without kvdisk.")
+    for i, g in enumerate(groups):
+        if out[i].kind == GroupKind.STATE and (g.block_size, g.page_bytes) != (
+                first.block_size, first.page_bytes):
+            raise UnsupportedConfig(
+                f"kvdisk: KV cache group {i} keeps states in blocks of {g.block_size} tokens "
+                f"and pages of {g.page_bytes} bytes, the attention groups in blocks of "
+                f"{first.block_size} and pages of {first.page_bytes}; kvdisk needs vLLM's "
+                "aligned layout (one state per attention block, pages of one size). Run this "
+                "model without kvdisk.")
     return tuple(out)
 
 
-def groups_signature(groups: tuple[Group, ...]) -> str:
+def groups_signature(groups: tuple[Group, ...], states: tuple[str, ...] = ()) -> str:
     """The groups' part of the namespace layout ('' for one full-attention group, so such
-    an engine's layout string is the one it always had)."""
+    an engine's layout string is the one it always had). ``states``: per state group, its
+    state tensors' shapes and dtypes (``state_signature``)."""
     if len(groups) == 1 and groups[0].kind == GroupKind.FULL:
         return ""
-    return "/G" + ",".join((f"w{g.window}" if g.kind == GroupKind.WINDOW else "f")
-                           + f"x{g.layers}" for g in groups)
+    state = iter(states)
+    parts = []
+    for g in groups:
+        if g.kind == GroupKind.WINDOW:
+            parts.append(f"w{g.window}x{g.layers}")
+        elif g.kind == GroupKind.STATE:
+            parts.append(f"s{g.layers}[{next(state, '?')}]")
+        else:
+            parts.append(f"fx{g.layers}")
+    return "/G" + ",".join(parts)
+
+
+def state_signature(state: tuple) -> str:
+    """A state group's tensors as text: ``((3, 1024), 'bfloat16'), ...`` -> ``3x1024:bfloat16+...``."""
+    return "+".join("x".join(str(d) for d in shape) + f":{dtype}" for shape, dtype in state)

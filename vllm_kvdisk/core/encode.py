@@ -16,6 +16,7 @@ import xxhash
 from vllm_kvdisk.core.format import (CHECKSUM, FLAG_DELTA, FLAG_TOOL_MAP, FULL_ONLY, MAX_GROUPS,
                                      MAX_TEXT_BYTES, MAX_TOKENS, TEXT_LEN, FormatError, Group,
                                      Header, Offsets, PageLayout, Payload, Reason, Summary,
+                                     PAYLOAD_VERSION, PAYLOAD_VERSION_STATE, has_state,
                                      pack_payload_fixed, compute_offsets, dtype_code,
                                      pack_groups)
 from vllm_kvdisk.core.keys import token_digest
@@ -58,7 +59,8 @@ def encode_checkpoint(*, text: bytes, tokens: bytes, layers: Sequence[bytes | me
         raise FormatError(f"{len(groups)} groups of {[g.layers for g in groups]} layers "
                           f"for {lay.num_layers} layers")
     groups = tuple(g.placed(payload.parent_tokens, n_tokens, lay.block_size) for g in groups)
-    payload = replace(payload, groups=groups)
+    payload = replace(payload, groups=groups, version=PAYLOAD_VERSION_STATE
+                      if has_state(groups) else PAYLOAD_VERSION)
     offsets = compute_offsets(len(text), n_tokens, lay, payload.layer_blocks(), len(ktm),
                               len(groups))
     for i, buf in enumerate(layers):

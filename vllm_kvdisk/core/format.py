@@ -12,7 +12,10 @@ Invariants:
 * Layers come in KV cache groups (format v2): a full-attention group's layers hold the
   blocks the file owns, ``[parent_tokens, tokens)``; a sliding-window group's layers hold
   the window a hit at ``tokens`` needs, ``window_blocks(tokens, window, block)``, whatever
-  the parent. Every group's range is checked against that rule when a file is read.
+  the parent; a state group's layers (Mamba / Gated-DeltaNet) hold one block, the state
+  after exactly ``tokens`` tokens. Every group's range is checked against that rule when a
+  file is read. Files with a state group carry payload version 3, so a build that knows
+  only version 2 leaves them alone (unsupported) instead of calling them corrupt.
 * No pickle, no eval: only ``struct`` and raw bytes.
 
 Pure: standard library only. Writing a file is ``encode``; reading one is
@@ -29,7 +32,8 @@ from typing import Sequence
 FORMAT_VERSION = 2
 MAGIC = b"KVC"
 PAYLOAD_MAGIC = b"KVDP"
-PAYLOAD_VERSION = 2
+PAYLOAD_VERSION = 2  # files without a state group
+PAYLOAD_VERSION_STATE = 3  # files with one (a reader of version 2 leaves them alone)
 PAGE_ALIGN = 4096
 
 MAX_TOKENS = 1 << 24
@@ -174,6 +178,13 @@ class PageLayout:
 class GroupKind(IntEnum):
     FULL = 1  # full attention: the blocks the file owns
     WINDOW = 2  # sliding window: the window a hit at the file's end needs
+    STATE = 3  # Mamba / linear attention: the state after the file's last token
+
+
+def state_block(tokens: int, block_size: int) -> int:
+    """The block that holds a state group's state after ``tokens`` tokens (vLLM's Mamba
+    "align" mode: block ``p`` holds the state after exactly ``(p + 1) * block_size``)."""
+    return tokens // block_size - 1
 
 
 def window_blocks(tokens: int, window: int, block_size: int) -> tuple[int, int]:
@@ -199,6 +210,8 @@ class Group:
         """This group with the block range a file ``[parent_tokens, tokens)`` holds."""
         if self.kind == GroupKind.WINDOW:
             first, count = window_blocks(tokens, self.window, block_size)
+        elif self.kind == GroupKind.STATE:
+            first, count = state_block(tokens, block_size), 1
         else:
             first, count = parent_tokens // block_size, (tokens - parent_tokens) // block_size
         return replace(self, first_block=first, num_blocks=count)
@@ -208,9 +221,14 @@ FULL_ONLY = (Group(GroupKind.FULL, 0),)  # a model with one full-attention group
 
 
 def is_hybrid(groups: Sequence[Group]) -> bool:
-    """Several KV cache groups, or a sliding window: block ids go per group, and vLLM frees
-    a window's blocks once the tokens past it are computed."""
-    return len(groups) > 1 or any(g.kind == GroupKind.WINDOW for g in groups)
+    """Several KV cache groups, or a sliding window or state: block ids go per group, and
+    vLLM frees a window's blocks (and a state's) once the tokens past it are computed."""
+    return len(groups) > 1 or any(g.kind != GroupKind.FULL for g in groups)
+
+
+def has_state(groups: Sequence[Group]) -> bool:
+    """A group keeps a recurrent state: a hit must end where a file's state is stored."""
+    return any(g.kind == GroupKind.STATE for g in groups)
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +247,7 @@ class Payload:
     # The file's KV cache groups, layers in this order. Encoding places each group
     # (``Group.placed``); a layer count of 0 in a lone group means every layer.
     groups: tuple[Group, ...] = FULL_ONLY
+    version: int = PAYLOAD_VERSION  # as read (written: 3 if a group holds a state)
 
     def layer_blocks(self) -> list[tuple[int, int]]:
         """``(first block, block count)`` of every layer, in file order."""
@@ -284,7 +303,8 @@ def pack_payload_fixed(p: Payload) -> bytes:
     shape = tuple(lay.page_shape) + (0,) * (MAX_PAGE_DIMS - len(lay.page_shape))
     parent = bytes.fromhex(p.parent_sha1) if p.parent_sha1 else bytes(20)
     return PAYLOAD_FIXED.pack(
-        PAYLOAD_MAGIC, PAYLOAD_VERSION, PAYLOAD_FIXED.size, p.fingerprint, parent,
+        PAYLOAD_MAGIC, PAYLOAD_VERSION_STATE if has_state(p.groups) else PAYLOAD_VERSION,
+        PAYLOAD_FIXED.size, p.fingerprint, parent,
         p.parent_tokens, lay.block_size, p.first_block, p.num_blocks, lay.num_layers,
         lay.page_bytes, lay.tp_rank, lay.tp_size, DTYPES[lay.dtype][0], len(lay.page_shape),
         len(p.groups), *shape, lay.name.encode().ljust(24, b"\0"), p.token_digest, p.ktm_checksum)
@@ -299,7 +319,7 @@ def unpack_payload_fixed(buf: bytes, header: Header) -> Payload:
     shape_all, name, digest, ktm_sum = rest[:6], rest[6], rest[7], rest[8]
     if magic != PAYLOAD_MAGIC:
         raise FormatError(f"bad payload magic {magic!r}")
-    if version != PAYLOAD_VERSION or fixed_len != PAYLOAD_FIXED.size:
+    if version not in (PAYLOAD_VERSION, PAYLOAD_VERSION_STATE) or fixed_len != PAYLOAD_FIXED.size:
         raise UnsupportedFile(f"payload version {version}/{fixed_len}")
     if not 1 <= n_groups <= MAX_GROUPS:
         raise FormatError(f"group count {n_groups} outside 1..{MAX_GROUPS}")
@@ -330,7 +350,8 @@ def unpack_payload_fixed(buf: bytes, header: Header) -> Payload:
         raise FormatError("owned blocks do not end at the token count")
     return Payload(fingerprint, parent.hex() if has_parent else None, parent_tokens,
                    first_block, num_blocks, layout, digest, ktm_sum,
-                   groups=(Group(GroupKind.FULL, 0),) * n_groups)  # read by unpack_groups
+                   groups=(Group(GroupKind.FULL, 0),) * n_groups,  # read by unpack_groups
+                   version=version)
 
 
 def pack_groups(groups: Sequence[Group]) -> bytes:
@@ -348,7 +369,7 @@ def unpack_groups(buf: bytes, payload: Payload, tokens: int) -> Payload:
     lay, groups = payload.layout, []
     for i in range(count):
         kind, zero, layers, window, first, blocks = GROUP.unpack_from(buf, GROUP.size * i)
-        if zero or kind not in (GroupKind.FULL, GroupKind.WINDOW) or layers < 1:
+        if zero or kind not in tuple(GroupKind) or layers < 1:
             raise FormatError(f"group {i}: bad kind {kind} or layer count {layers}")
         if (kind == GroupKind.WINDOW) != (window > 0) or window > MAX_TOKENS:
             raise FormatError(f"group {i}: window {window} does not fit its kind")
@@ -359,6 +380,8 @@ def unpack_groups(buf: bytes, payload: Payload, tokens: int) -> Payload:
         groups.append(group)
     if sum(g.layers for g in groups) != lay.num_layers:
         raise FormatError("group layer counts do not add up to the layer count")
+    if has_state(groups) != (payload.version == PAYLOAD_VERSION_STATE):
+        raise FormatError("payload version 3 if and only if a group holds a state")
     return replace(payload, groups=tuple(groups))
 
 

@@ -55,6 +55,7 @@ class Miss(str, Enum):
     OTHER_NAMESPACE = "checkpoint of another model/layout/dtype/salt"
     CHEAPER_TO_RECOMPUTE = "cheaper to recompute"
     WINDOW_NOT_STORED = "sliding window not stored at the prompt's position"
+    STATE_NOT_STORED = "linear-attention state not stored at the prompt's position"
     SKIPPED = "loading skipped by the request"
 
     @property

@@ -156,3 +156,20 @@ def trim_to_windows(lookup: Lookup, local: int, windows: Sequence[int],
         if all(window_sources(files, hit, local, w, bs) is not None for w in windows):
             return part
     return lookup.cut(0, Miss.WINDOW_NOT_STORED)
+
+
+def trim_to_states(lookup: Lookup, local: int) -> Lookup:
+    """The deepest part of ``lookup`` that ends where a file ends (a model with a
+    recurrent state: a file stores the state after its last token only, so a prompt that
+    leaves a file in its middle is served up to that file's parent, whose state is on
+    disk, or by the device prefix cache)."""
+    if lookup.tokens <= local:  # nothing to load: nothing to trim
+        return lookup
+    segments = lookup.segments
+    for count in range(len(segments), 0, -1):
+        last = segments[count - 1]
+        if last.upto <= local:
+            break
+        if last.upto == last.entry.tokens:
+            return lookup if count == len(segments) else lookup.cut(count, Miss.STATE_NOT_STORED)
+    return lookup.cut(0, Miss.STATE_NOT_STORED)

@@ -1,0 +1,93 @@
+"""Mamba / linear-attention states vLLM hands over at block boundaries, kept for saves.
+
+In vLLM's Mamba "align" mode a state exists only where a step ended on a block boundary
+(a prefill chunk's end, the prompt's last whole block, each block of the decode), and
+vLLM frees it one step later. It offers each such state to a connector once, in the
+step that computes it (``SchedulerOutput.kv_connector_block_state
+.boundary_state_offloads``: request, group, block, boundary tokens), without keeping it.
+
+So per request this keeps the **newest** offered boundary whose every state group was
+offered, pinned in vLLM's block pool (``touch``), until a newer one replaces it or the
+request ends: a checkpoint of a state model is made only there (``boundary``), for any
+save reason. A pin released after a save was planned on it is safe: the block goes back
+to vLLM's free queue in this scheduler step at the earliest, and nothing writes it before
+the next step's ``handle_preemptions``, which waits for the copies of state pages. A save
+planned when a request finishes is copied one step later, so that request's pin is
+kept until the workers name it in ``finished_sending``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from vllm_kvdisk.core.format import Group, GroupKind
+
+
+class StateHandoffs:
+    def __init__(self, groups: tuple[Group, ...]):
+        self.state_groups = tuple(i for i, g in enumerate(groups) if g.kind == GroupKind.STATE)
+        self.pool: Any = None  # vLLM's block pool (bind_kv_cache_manager)
+        self._newest: dict[str, tuple[int, dict[int, Any]]] = {}  # req -> (tokens, blocks)
+        self._after_finish: dict[str, list[Any]] = {}  # req -> pins until finished_sending
+
+    @property
+    def active(self) -> bool:
+        return bool(self.state_groups)
+
+    def take(self, scheduler_output: Any, wanted: Callable[[str], bool]) -> None:
+        """Pin the newest whole boundary offered this step to each request ``wanted``
+        names (one that may save), releasing the one it replaces."""
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = getattr(state, "boundary_state_offloads", None) or {}
+        if not self.active or self.pool is None:
+            return
+        for req_id, entries in offers.items():
+            if not wanted(req_id):
+                continue
+            by_boundary: dict[int, dict[int, int]] = {}
+            for group, block_id, tokens in entries:
+                if group in self.state_groups and block_id:
+                    by_boundary.setdefault(int(tokens), {})[int(group)] = int(block_id)
+            whole = [t for t, blocks in by_boundary.items() if len(blocks) == len(self.state_groups)]
+            if not whole:
+                continue
+            tokens = max(whole)
+            old = self._newest.get(req_id)
+            if old is not None and old[0] >= tokens:
+                continue
+            blocks = {g: self.pool.blocks[b] for g, b in by_boundary[tokens].items()}
+            self.pool.touch(list(blocks.values()))
+            self._newest[req_id] = (tokens, blocks)
+            if old is not None:
+                self.pool.free_blocks(list(old[1].values()))
+
+    def boundary(self, req_id: str) -> tuple[int, dict[int, int]] | None:
+        """The newest state boundary pinned for a request: (tokens, group -> block id)."""
+        found = self._newest.get(req_id)
+        if found is None:
+            return None
+        return found[0], {g: b.block_id for g, b in found[1].items()}
+
+    def finished(self, req_id: str, saving: bool) -> None:
+        """A request left the engine: its pin goes now, or, when a save of it was just
+        planned (copied in a later step), once ``released`` names it."""
+        found = self._newest.pop(req_id, None)
+        if found is None:
+            return
+        if saving:
+            self._after_finish[req_id] = list(found[1].values())
+        else:
+            self.pool.free_blocks(list(found[1].values()))
+
+    def released(self, req_ids: Any) -> None:
+        """The workers gave these finished requests' blocks back (``finished_sending``)."""
+        for req_id in req_ids or ():
+            blocks = self._after_finish.pop(req_id, None)
+            if blocks:
+                self.pool.free_blocks(blocks)
+
+    @property
+    def pinned(self) -> int:
+        """Blocks pinned now (running requests' newest boundaries and finished ones')."""
+        return (sum(len(b) for _, b in self._newest.values())
+                + sum(len(b) for b in self._after_finish.values()))
