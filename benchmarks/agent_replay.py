@@ -48,10 +48,11 @@ from vllm_kvdisk.testing import harness
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
-ALL_CONFIGS = ["none", "prefix", "kvdisk", "kvdisk-grid", "example", "native"]
+ALL_CONFIGS = ["none", "prefix", "prefix-warm", "kvdisk", "kvdisk-grid", "example", "native"]
 LABELS = {
     "none": "no connector, no prefix cache",
     "prefix": "vLLM prefix cache only",
+    "prefix-warm": "vLLM prefix cache only, never restarted (what a warm engine keeps)",
     "kvdisk": "kvdisk (grid + tails)",
     "kvdisk-grid": "kvdisk, ds4 grid only",
     "example": "ExampleConnector (in-tree disk)",
@@ -61,7 +62,7 @@ LABELS = {
 
 def server_command(name: str, model: str, port: int, cache_dir: str | None, args,
                    trace_path: str | None) -> list[str]:
-    common = ["--served-model-name", "agent", "--dtype", "float32", "--enforce-eager",
+    common = ["--served-model-name", "agent", "--dtype", args.dtype, "--enforce-eager",
               "--max-model-len", str(args.max_model_len), "--enable-prompt-tokens-details",
               "--shutdown-timeout", "30"]
     if name.startswith("kvdisk"):
@@ -73,7 +74,7 @@ def server_command(name: str, model: str, port: int, cache_dir: str | None, args
         return harness.kvdisk_command(model, cache_dir, port, *common, *extra)
     if name == "none":
         return harness.vllm_command(model, port, *common, "--no-enable-prefix-caching")
-    if name == "prefix":
+    if name in ("prefix", "prefix-warm"):
         return harness.vllm_command(model, port, *common)
     if name == "example":
         cfg = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
@@ -99,18 +100,23 @@ def run_config(name: str, model: str, wl: Workload, block: int, work: str, env: 
     ideal = Ideal(block)
     half = args.turns // 2
     t_cfg = time.perf_counter()
+    keep = name == "prefix-warm"  # one server for both phases: the warm reference
+    server = None
     for phase, turns in (("warm", range(1, half + 1)), ("resumed", range(half + 1, args.turns + 1))):
-        port = harness.free_port()
-        cmd = server_command(name, model, port, cache_dir, args, trace_path)
-        info.setdefault("command", shlex.join(cmd).replace(str(port), "PORT"))
-        print(f"[{name}] {phase}: starting server", flush=True)
-        try:
-            server = harness.Server(cmd, log, port, env=env, cwd=str(REPO))
-        except RuntimeError as exc:
-            info["status"], info["error"] = "failed", f"{phase} start-up: {exc}"
-            print(f"[{name}] FAILED: {exc}", flush=True)
-            break
-        ph: dict = {"startup_s": round(server.startup_s, 2), "engine_cores": engine_cores(log)}
+        started = server is None
+        if started:
+            port = harness.free_port()
+            cmd = server_command(name, model, port, cache_dir, args, trace_path)
+            info.setdefault("command", shlex.join(cmd).replace(str(port), "PORT"))
+            print(f"[{name}] {phase}: starting server", flush=True)
+            try:
+                server = harness.Server(cmd, log, port, env=env, cwd=str(REPO))
+            except RuntimeError as exc:
+                info["status"], info["error"] = "failed", f"{phase} start-up: {exc}"
+                print(f"[{name}] FAILED: {exc}", flush=True)
+                break
+        ph: dict = {"startup_s": round(server.startup_s, 2) if started else 0.0,
+                    "engine_cores": engine_cores(log)}
         recs: list[dict] = []
         try:
             stream_chat(server.url, [{"role": "user", "content": "Say hello."}], 2,
@@ -133,7 +139,9 @@ def run_config(name: str, model: str, wl: Workload, block: int, work: str, env: 
         except Exception as exc:  # noqa: BLE001 (recorded; the next config still runs)
             info["error"] = f"{phase}: {type(exc).__name__}: {exc}"[:400]
         finally:
-            ph["stop"] = server.stop()
+            if not keep or phase == "resumed" or "error" in info:
+                ph["stop"] = server.stop()
+                server = None
             ph["disk_after"] = disk_usage(cache_dir)
             info["phases"][phase] = ph
         print(f"[{name}] {phase}: {len(recs)} requests, {ph.get('wall_s', 0):.1f} s, server "
@@ -198,6 +206,11 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--dtype", default="float32",
+                    help="bfloat16 for a Gated-DeltaNet model (vLLM's CPU kernel needs it)")
+    ap.add_argument("--block-size", type=int, default=0,
+                    help="the engine's KV block, for the ideal hit (0: vLLM's CPU default, "
+                         "128; a Mamba/GDN hybrid aligns it up, e.g. 640)")
     ap.add_argument("--kv-cache-space", default="2", help="VLLM_CPU_KVCACHE_SPACE, GiB")
     ap.add_argument("--reserved-cpus", type=int, default=1,
                     help="VLLM_CPU_NUM_OF_RESERVED_CPU for every configuration (-1: vLLM's "
@@ -242,7 +255,8 @@ def main() -> None:
         vllm_version = md.version("vllm-cpu")
     except md.PackageNotFoundError:
         vllm_version = md.version("vllm")
-    block = 128 if "cpu" in vllm_version or not os.path.exists("/dev/nvidia0") else 16
+    block = args.block_size or (
+        128 if "cpu" in vllm_version or not os.path.exists("/dev/nvidia0") else 16)
     print(f"model {model_info} at {model}; shared prefix {shared} tokens; work dir {work}",
           flush=True)
     configs: dict = {}

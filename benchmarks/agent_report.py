@@ -86,7 +86,7 @@ def render(data: dict) -> str:
     summary = summarize(data)
     model = meta["model"]
     L = ["Multi-turn agent replay: " + meta["command"],
-         f"model: {model['name']} {model['shape']}, fp32, {model['kv_bytes_per_token'] // 1024} "
+         f"model: {model['name']} {model['shape']}, {args.get('dtype', 'float32')}, {model['kv_bytes_per_token'] // 1024} "
          f"KiB KV/token; vLLM {meta['vllm_version']} CPU build, {meta['cpus']}-core CPU, no "
          f"GPU, KV block {meta['block_size']}. Absolute times do not predict GPU serving; "
          "compare configurations with each other.",
@@ -98,7 +98,8 @@ def render(data: dict) -> str:
          + (f"sampled at temperature {args['temperature']}" if args.get("temperature")
             else "greedy")
          + f"; warm = turns 1..{args['turns'] // 2}, then every "
-         "server restarted (SIGTERM) on the same cache dir, resumed = the rest.",
+         "server restarted (SIGTERM) on the same cache dir (prefix-warm: never), resumed = "
+         "the rest.",
          "ideal = per request, the longest prefix of its prompt the server had computed "
          "once (earlier prompt + generated ids), floored to the block; cached/ideal 1.00 is "
          "a perfect cache. TTFT = time to the first streamed content chunk.", ""]

@@ -151,3 +151,17 @@ def test_inspect_shows_the_kv_cache_groups_of_a_hybrid_file(tmp_path, capsys):
         {"kind": "full", "layers": 1, "window": 0, "first_block": 0, "blocks": 10}]
     code, out, _ = run(capsys, "inspect", store.path(ns, plan.sha1))
     assert "window 40: 1 layer(s) x blocks 7..10; full: 1 layer(s) x blocks 0..10" in out
+    # a state group (Mamba / Gated-DeltaNet): one block, the state after the last token
+    prompt = prompt_of(list(range(300, 500)))
+    plan = planner(store).plan_save(ns, prompt, 160, Reason.COLD)
+    enc = encode_plan(plan, text=prompt.text_upto(160), ids=prompt.ids,
+                      layers=[bytes(page), bytes(10 * page)], layout=LAYOUT,
+                      fingerprint=FP.digest(), kv_dtype="float32", context_size=8192,
+                      now=1_000_000, groups=(Group(GroupKind.STATE, 1), Group(GroupKind.FULL, 1)))
+    store.write(ns, plan.sha1, enc)
+    code, out, _ = run(capsys, "inspect", store.path(ns, plan.sha1), "--json")
+    assert code == 0 and json.loads(out)["payload_version"] == 3
+    assert json.loads(out)["groups"][0] == {"kind": "state", "layers": 1, "window": 0,
+                                            "first_block": 9, "blocks": 1}
+    code, out, _ = run(capsys, "inspect", store.path(ns, plan.sha1))
+    assert "state after 160 tokens: 1 layer(s) x block 9; full: 1 layer(s) x blocks 0..10" in out

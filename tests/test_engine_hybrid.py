@@ -163,6 +163,26 @@ def test_gated_deltanet_model_restores_exactly(qwen3next_model, tmp_path):
     assert wait_events(trace, "hit", where=lambda e: "state not stored" in e.line)
 
 
+def test_a_gated_deltanet_reply_is_resumed_where_vllm_keeps_a_state(qwen3next_model, tmp_path):
+    """The next turn of a conversation carries the reply. vLLM keeps Mamba states at the
+    prompt's block boundaries, not at those its decode crosses (its own cache resumes the
+    next turn at the prompt's last state), so the request leaving saves nothing new, and
+    after a restart the next turn restores exactly where vLLM's own cache would."""
+    kv = str(tmp_path / "kv")
+    p = random_prompt(1500, seed=21)
+    args = {"dtype": "bfloat16"}
+    with engine(qwen3next_model, None, llm_args=args) as llm:
+        reply, _ = generate(llm, p, max_tokens=480)  # decodes past 1920
+        q = p + reply + random_prompt(300, seed=22)
+        reference = generate(llm, q, max_tokens=24)
+    assert reference[1] == 1280
+    with engine(qwen3next_model, kv, llm_args=args) as llm:
+        assert generate(llm, p, max_tokens=480)[0] == reply
+    assert sorted(files(kv)) == [1280]
+    with engine(qwen3next_model, kv, llm_args=args) as llm:
+        assert generate(llm, q, max_tokens=24) == reference
+
+
 def test_a_corrupt_window_page_recomputes_the_request(gemma3_model, tmp_path):
     """A load that fails on a hybrid model is reported per request (vLLM stops on block-level
     load errors with several KV cache groups): the file is quarantined, the request is

@@ -177,6 +177,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "tokens": h.tokens, "hits": h.hits, "context_size": h.context_size,
         "created": h.created, "last_used": h.last_used, "payload_bytes": h.payload_bytes,
         "text_bytes": meta.text_len, "fingerprint": p.fingerprint.hex(),
+        "payload_version": p.version,
         "parent": p.parent_sha1, "parent_tokens": p.parent_tokens,
         "first_block": p.first_block, "blocks": p.num_blocks,
         "layout": {"name": p.layout.name, "block_size": p.layout.block_size,
@@ -200,7 +201,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     lines = [
         ("file", path),
         ("model", _describe(info["namespace"])),
-        ("format", f"version {h.version}, KV dtype {info['kv_dtype']}, reason {info['reason']}"),
+        ("format", f"version {h.version} (payload {p.version}), KV dtype {info['kv_dtype']}, reason {info['reason']}"),
         ("tokens", f"{p.parent_tokens}..{h.tokens} (blocks {p.first_block}..{p.first_block + p.num_blocks})"),
         ("parent", f"{p.parent_sha1} (first {p.parent_tokens} tokens)" if p.parent_sha1 else "none (a root)"),
         ("created", f"{human_time(h.created)} ({human_age(now - h.created)} ago)"),
@@ -211,6 +212,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                    f"{lay['page_shape']} {lay['page_dtype']} ({human_bytes(lay['page_bytes'])} "
                    f"each), block {lay['block_size']}, TP {lay['tp_rank']}/{lay['tp_size']}"),
         ("groups", "; ".join(
+            f"state after {h.tokens} tokens: {g['layers']} layer(s) x block {g['first_block']}"
+            if g["kind"] == "state" else
             f"{g['kind']}{' ' + str(g['window']) if g['window'] else ''}: {g['layers']} "
             f"layer(s) x blocks {g['first_block']}..{g['first_block'] + g['blocks']}"
             for g in info["groups"])),
