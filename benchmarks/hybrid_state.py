@@ -26,27 +26,19 @@ import tempfile
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from hybrid_window import disk_bytes, empty_device, ttft  # noqa: E402
+from hybrid_window import CFG, REPLY_TOKENS, disk_bytes, empty_device, restarted  # noqa: E402
+from hybrid_window import conversation as window_conversation  # noqa: E402
 
-from vllm_kvdisk.testing.harness import engine, generate, random_prompt  # noqa: E402
+from vllm_kvdisk.testing.harness import engine, generate  # noqa: E402
 from vllm_kvdisk.testing.tinymodel import build_tiny_model  # noqa: E402
 
-TURNS, USER_TOKENS, REPLY_TOKENS, BLOCK = 6, 700, 32, 640
-CFG = {"kv_cache_min_tokens": 128, "kv_disk_load_policy": "always"}
+TURNS, USER_TOKENS, BLOCK = 6, 700, 640
 ARGS = {"dtype": "bfloat16"}
 
 
 def conversation(llm, reset) -> list[tuple[list[int], list[int], int]]:
     """(prompt, reply, cached) per turn; ``reset`` empties the device cache first."""
-    prompt, out = [], []
-    for turn in range(TURNS):
-        prompt = prompt + random_prompt(USER_TOKENS, seed=200 + turn)
-        if reset:
-            reset(llm)
-        reply, cached = generate(llm, prompt, max_tokens=REPLY_TOKENS)
-        out.append((prompt, reply, cached))
-        prompt = prompt + reply
-    return out
+    return window_conversation(llm, reset, TURNS, USER_TOKENS, seed=200)
 
 
 def main() -> int:
@@ -60,13 +52,7 @@ def main() -> int:
     with engine(model, kv, llm_args=ARGS, **CFG) as llm:
         disk = conversation(llm, empty_device)
     last = warm[-1][0]
-    with engine(model, kv, llm_args=ARGS, **CFG) as llm:  # restarted
-        reply, restart = generate(llm, last, max_tokens=REPLY_TOKENS)
-        ratios = []
-        for _ in range(3):
-            empty_device(llm)
-            from_disk = ttft(llm, last)
-            ratios.append(from_disk / ttft(llm, last))  # the device holds it now
+    reply, restart, ratios = restarted(model, kv, ARGS, last)
     same = [t[1] for t in disk] == [t[1] for t in warm] and reply == warm_reply
     warm_cached, disk_cached = sum(t[2] for t in warm), sum(t[2] for t in disk)
     nbytes = disk_bytes(kv)

@@ -35,11 +35,12 @@ TURNS, USER_TOKENS, REPLY_TOKENS = 6, 400, 32
 CFG = {"kv_cache_min_tokens": 128, "kv_disk_load_policy": "always"}
 
 
-def conversation(llm, reset) -> list[tuple[list[int], list[int], int]]:
+def conversation(llm, reset, turns: int = TURNS, user_tokens: int = USER_TOKENS,
+                 seed: int = 100) -> list[tuple[list[int], list[int], int]]:
     """(prompt, reply, cached) per turn; ``reset`` empties the device cache first."""
     prompt, out = [], []
-    for turn in range(TURNS):
-        prompt = prompt + random_prompt(USER_TOKENS, seed=100 + turn)
+    for turn in range(turns):
+        prompt = prompt + random_prompt(user_tokens, seed=seed + turn)
         if reset:
             reset(llm)
         reply, cached = generate(llm, prompt, max_tokens=REPLY_TOKENS)
@@ -66,18 +67,26 @@ def ttft(llm, prompt: list[int]) -> float:
     return time.perf_counter() - started
 
 
+def restarted(model: str, kv: str, llm_args: dict,
+              prompt: list[int]) -> tuple[list[int], int, list[float]]:
+    """A restarted engine on ``kv``: its reply to ``prompt`` and the tokens it cached, then
+    the time to the first token of ``prompt`` restored from disk over a device-cache hit
+    of it, three times."""
+    with engine(model, kv, llm_args=llm_args, **CFG) as llm:
+        reply, cached = generate(llm, prompt, max_tokens=REPLY_TOKENS)
+        ratios = []
+        for _ in range(3):
+            empty_device(llm)
+            disk = ttft(llm, prompt)
+            ratios.append(disk / ttft(llm, prompt))  # the device holds it now
+    return reply, cached, ratios
+
+
 def run_disk(model: str, kv: str, hma: bool) -> tuple[list, int, int, float]:
     args = {} if hma else {"disable_hybrid_kv_cache_manager": True}
     with engine(model, kv, llm_args=args, **CFG) as llm:
         turns = conversation(llm, empty_device)
-    last_prompt = turns[-1][0]
-    with engine(model, kv, llm_args=args, **CFG) as llm:  # restarted
-        reply, cached = generate(llm, last_prompt, max_tokens=REPLY_TOKENS)
-        ratios = []
-        for _ in range(3):
-            empty_device(llm)
-            disk = ttft(llm, last_prompt)
-            ratios.append(disk / ttft(llm, last_prompt))  # the device holds it now
+    reply, cached, ratios = restarted(model, kv, args, turns[-1][0])
     if reply != turns[-1][1]:
         raise SystemExit("the restarted engine's reply differs: not exact")
     return turns, cached, disk_bytes(kv), statistics.median(ratios)
