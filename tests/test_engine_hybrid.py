@@ -183,6 +183,37 @@ def test_a_gated_deltanet_reply_is_resumed_where_vllm_keeps_a_state(qwen3next_mo
         assert generate(llm, q, max_tokens=24) == reference
 
 
+def test_each_tensor_parallel_rank_saves_and_restores_its_own_states(qwen3next_model, tmp_path,
+                                                                     monkeypatch):
+    """TP 2 on the Gated-DeltaNet model: each rank holds half of the linear-attention heads
+    (and of the KV heads), so each writes its own namespace, states included, and a
+    restart restores both exactly as vLLM's own prefix-cache hit."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
+    kv = str(tmp_path / "kv")
+    a = random_prompt(1500, seed=11)
+    args = {"dtype": "bfloat16", "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    with engine(qwen3next_model, None, llm_args=args) as llm:
+        generate(llm, a, max_tokens=16)
+        reference = generate(llm, a, max_tokens=16)
+    assert reference[1] == 1280
+    with engine(qwen3next_model, kv, llm_args=args) as llm:
+        generate(llm, a, max_tokens=16)
+    paths = sorted(glob.glob(os.path.join(kv, "*", "*.kv")))
+    assert len(paths) == 2 and len({os.path.basename(p) for p in paths}) == 1  # one per rank
+    metas = []
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            metas.append(read_meta(fd, os.fstat(fd).st_size))
+        finally:
+            os.close(fd)
+    assert sorted(m.payload.layout.tp_rank for m in metas) == [0, 1]
+    # the state layer's checksum differs between ranks: each stored its own heads' state
+    assert metas[0].payload.checksums[1] != metas[1].payload.checksums[1]
+    with engine(qwen3next_model, kv, llm_args=args) as llm:
+        assert generate(llm, a, max_tokens=16) == reference
+
+
 def test_a_corrupt_window_page_recomputes_the_request(gemma3_model, tmp_path):
     """A load that fails on a hybrid model is reported per request (vLLM stops on block-level
     load errors with several KV cache groups): the file is quarantined, the request is
