@@ -238,6 +238,31 @@ def test_a_corrupt_window_page_recomputes_the_request(gemma3_model, tmp_path):
     assert events(trace, "quarantined")
 
 
+def test_a_corrupt_state_page_recomputes_the_request(qwen3next_model, tmp_path):
+    """A flipped byte in a checkpoint's linear-attention state: the file is quarantined,
+    the request recomputed with the same answer, and the engine keeps serving."""
+    kv, trace = str(tmp_path / "kv"), str(tmp_path / "trace.txt")
+    prompt = random_prompt(1500, seed=31)
+    args = {"dtype": "bfloat16"}
+    with engine(qwen3next_model, kv, trace=trace, llm_args=args) as llm:
+        reference, _ = generate(llm, prompt, max_tokens=24)
+    (path,) = glob.glob(os.path.join(kv, "*", "*.kv"))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        meta = read_meta(fd, os.fstat(fd).st_size)
+        assert meta.payload.groups[0].kind == GroupKind.STATE
+        at = meta.offsets.layer(0) + 5000  # inside the first state layer's page
+        os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0xFF]), at)
+    finally:
+        os.close(fd)
+    with engine(qwen3next_model, kv, trace=trace, llm_args=args) as llm:
+        out = generate(llm, prompt, max_tokens=24)[0]
+        again = generate(llm, prompt, max_tokens=24)[0]  # from the device cache now
+    assert out == reference == again
+    assert [n for n in os.listdir(os.path.join(kv, "quarantine")) if n.endswith(".kv")]
+    assert events(trace, "quarantined")
+
+
 def test_chunked_prefill_saves_windows_before_vllm_frees_them(gemma3_model, tmp_path):
     """Prefill in 512-token chunks, a continued checkpoint at each chunk's end (384 after
     the first, 896 after the second): vLLM frees the first blocks of a window in the very
