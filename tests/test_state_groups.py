@@ -246,3 +246,39 @@ def test_a_layer_not_laid_out_block_by_block_is_refused():
         block_pages(kv.transpose(0, 1), 6)
     with pytest.raises(ValueError, match="blocks of one buffer"):
         block_pages([torch.zeros(6, 8), torch.zeros(6, 8)], 6)
+
+
+def test_a_state_save_is_made_at_its_boundary_only(tmp_path):
+    """A state model's save goes where the handed-over state is: a cap below that
+    position (``max_save_tokens``) makes no checkpoint rather than one at the cap whose
+    state would be another position's."""
+    from synth import GRID, byte_table, make, planner
+
+    from vllm_kvdisk.connector.events import DiskEvents
+    from vllm_kvdisk.connector.jobs import Scope
+    from vllm_kvdisk.connector.saveplans import SavePlanning
+    from vllm_kvdisk.core.control import RequestControl
+    from vllm_kvdisk.core.lifecycle import RequestState
+    from vllm_kvdisk.core.saverules import SaveRules
+
+    store, ns = make(tmp_path)
+    bs = GRID.block_size
+    groups = (Group(GroupKind.STATE, 1), Group(GroupKind.FULL, 1))
+    blocks = GroupBlocks(groups, bs)
+    blocks.null_block = 0
+    saves = SavePlanning(planner=planner(store), rules=SaveRules(GRID, bs, 1 << 20, 1 << 20),
+                         table=byte_table(), blocks=blocks, events=DiskEvents(False, bs),
+                         store=store, context_size=8192, workers=1)
+    ids = list(range(10, 10 + 8 * bs))
+    tables = [[0] * 6 + [99, 0], list(range(1, 9))]  # the state after 6 blocks: block 99
+
+    def state(cap):
+        request = types.SimpleNamespace(request_id="r", all_token_ids=ids)
+        return RequestState(request, Scope(), ns, RequestControl(max_save_tokens=cap))
+
+    capped = state(4 * bs + 3)
+    assert not saves.plan(capped, [(6 * bs, Reason.COLD)], tables, states={0: 99})
+    assert saves.take() == []
+    assert saves.plan(state(None), [(6 * bs, Reason.COLD)], tables, states={0: 99})
+    (job,) = saves.take()
+    assert job.plan.tokens == 6 * bs and job.groups == [[99], list(range(1, 7))]

@@ -45,7 +45,10 @@ class SavePlanning:
         block_ids = self.blocks.main(group_ids)
         request = st.request
         cap = st.control.max_save_tokens
-        if cap is not None:  # positions past the cap become one checkpoint at the cap
+        if cap is not None and states is not None:  # a state is kept at its own position
+            due = [(length, reason) for length, reason in due  # only: none at the cap
+                   if length <= self.rules.grid.block_floor(cap)]
+        elif cap is not None:  # positions past the cap become one checkpoint at the cap
             at_cap = self.rules.grid.block_floor(cap)
             due = sorted({(min(length, at_cap), reason) for length, reason in due
                           if min(length, at_cap) >= self.rules.min_tokens})
