@@ -143,6 +143,11 @@ def test_gated_deltanet_model_restores_exactly(qwen3next_model, tmp_path):
         reset(llm)
         assert generate(llm, a, max_tokens=24) == reference["a"]  # from disk, same engine
         generate(llm, b, max_tokens=24)
+        reset(llm)
+        generate(llm, a, max_tokens=24)  # the device holds a's 1280 (and its state) again
+        # b: 1280 from the device, b's own delta and its state from disk
+        assert generate(llm, b, max_tokens=24) == reference["b"]
+    assert wait_events(trace, "hit", where=lambda e: "1280 already in the GPU" in e.line)
     assert [type(g.kv_cache_spec).__name__ for g in groups] == ["MambaSpec", "FullAttentionSpec"]
     on_disk = files(kv)
     assert sorted(on_disk) == [1280, 2560]
