@@ -1,8 +1,8 @@
 """Mamba / linear-attention states vLLM hands over at block boundaries, kept for saves.
 
-In vLLM's Mamba "align" mode a state exists only where a step ended on a block boundary
-(a prefill chunk's end, the prompt's last whole block, each block of the decode), and
-vLLM frees it one step later. It offers each such state to a connector once, in the
+In vLLM's Mamba "align" mode a state is kept only where a prefill step ended on a block
+boundary (a chunk's end, the prompt's last whole block; not the boundaries a decode
+crosses), and vLLM frees it one step later. It offers each such state to a connector once, in the
 step that computes it (``SchedulerOutput.kv_connector_block_state
 .boundary_state_offloads``: request, group, block, boundary tokens), without keeping it.
 
@@ -37,10 +37,10 @@ class StateHandoffs:
     def take(self, scheduler_output: Any, wanted: Callable[[str], bool]) -> None:
         """Pin the newest whole boundary offered this step to each request ``wanted``
         names (one that may save), releasing the one it replaces."""
-        state = getattr(scheduler_output, "kv_connector_block_state", None)
-        offers = getattr(state, "boundary_state_offloads", None) or {}
         if not self.active or self.pool is None:
             return
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = getattr(state, "boundary_state_offloads", None) or {}
         for req_id, entries in offers.items():
             if not wanted(req_id):
                 continue

@@ -230,11 +230,11 @@ class WorkerSide:
                 # step (the engine waits for them in handle_preemptions); a running
                 # request keeps its full-attention blocks.
                 kinds = [g.kind for g in self.groups for _ in range(g.layers)]
-                for want_window in (True, False):
-                    part = [i for i, k in enumerate(kinds) if (k != GroupKind.FULL) == want_window]
+                for freed_early in (True, False):
+                    part = [i for i, k in enumerate(kinds) if (k != GroupKind.FULL) == freed_early]
                     mover.gather_layers([layer_ids[i] for i in part], [pages[i] for i in part],
                                         after=after, layers=part)
-                    if want_window:
+                    if freed_early:
                         self._windows_copied()
                         windows_pending = False
             else:

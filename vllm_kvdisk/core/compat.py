@@ -227,13 +227,15 @@ def groups_signature(groups: tuple[Group, ...], states: tuple[str, ...] = ()) ->
     state tensors' shapes and dtypes (``state_signature``)."""
     if len(groups) == 1 and groups[0].kind == GroupKind.FULL:
         return ""
+    if len(states) != sum(g.kind == GroupKind.STATE for g in groups):
+        raise ValueError("one state signature per state group is needed")
     state = iter(states)
     parts = []
     for g in groups:
         if g.kind == GroupKind.WINDOW:
             parts.append(f"w{g.window}x{g.layers}")
         elif g.kind == GroupKind.STATE:
-            parts.append(f"s{g.layers}[{next(state, '?')}]")
+            parts.append(f"s{g.layers}[{next(state)}]")
         else:
             parts.append(f"fx{g.layers}")
     return "/G" + ",".join(parts)

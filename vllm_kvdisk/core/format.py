@@ -247,7 +247,7 @@ class Payload:
     # The file's KV cache groups, layers in this order. Encoding places each group
     # (``Group.placed``); a layer count of 0 in a lone group means every layer.
     groups: tuple[Group, ...] = FULL_ONLY
-    version: int = PAYLOAD_VERSION  # as read (written: 3 if a group holds a state)
+    version: int = PAYLOAD_VERSION  # 3 if a group holds a state (``encode`` sets it)
 
     def layer_blocks(self) -> list[tuple[int, int]]:
         """``(first block, block count)`` of every layer, in file order."""
@@ -303,8 +303,7 @@ def pack_payload_fixed(p: Payload) -> bytes:
     shape = tuple(lay.page_shape) + (0,) * (MAX_PAGE_DIMS - len(lay.page_shape))
     parent = bytes.fromhex(p.parent_sha1) if p.parent_sha1 else bytes(20)
     return PAYLOAD_FIXED.pack(
-        PAYLOAD_MAGIC, PAYLOAD_VERSION_STATE if has_state(p.groups) else PAYLOAD_VERSION,
-        PAYLOAD_FIXED.size, p.fingerprint, parent,
+        PAYLOAD_MAGIC, p.version, PAYLOAD_FIXED.size, p.fingerprint, parent,
         p.parent_tokens, lay.block_size, p.first_block, p.num_blocks, lay.num_layers,
         lay.page_bytes, lay.tp_rank, lay.tp_size, DTYPES[lay.dtype][0], len(lay.page_shape),
         len(p.groups), *shape, lay.name.encode().ljust(24, b"\0"), p.token_digest, p.ktm_checksum)
