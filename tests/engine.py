@@ -55,6 +55,17 @@ def events(path: str, kind: str) -> list[TraceEvent]:
     return read(path, [kind])
 
 
+def wait_until(what: str, done, timeout: float = OUTCOME_WAIT_S) -> None:
+    """Poll ``done`` until it is true; a hang guard, never a verdict on how long it took."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what}")
+        time.sleep(0.05)
+
+
 def wait_events(path: str, kind: str, count: int = 1, timeout: float = OUTCOME_WAIT_S,
                 where=lambda e: True) -> list[TraceEvent]:
     """The events of a kind, once at least ``count`` match (explanations and saves are

@@ -13,8 +13,8 @@ import time
 
 import pytest
 from crash_child import prompts
-from engine import (OUTCOME_WAIT_S, Server, disk_tokens, engine, events, generate,
-                    random_prompt, wait_events)
+from engine import (Server, disk_tokens, engine, events, generate, random_prompt,
+                    wait_events, wait_until)
 from helpers import kv_files
 
 from vllm_kvdisk.ops.cli import main as kvdisk
@@ -72,14 +72,6 @@ def clean(kv: str) -> None:
     assert kvdisk(["verify", kv]) == 0
     report = verify(Store(kv, space_bytes=1 << 40, readonly=True))
     assert report.ok, report.problems
-
-
-def wait_until(what: str, done, timeout: float = OUTCOME_WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g} s: {what}")
-        time.sleep(0.05)
 
 
 def test_two_servers_on_two_mounts_of_one_volume(tiny_model, gluster_mounts, tmp_path):

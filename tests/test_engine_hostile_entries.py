@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from synth import FP, prompt, save
 
-from engine import engine, generate, random_prompt
+from engine import engine, generate, random_prompt, wait_until
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.storage.verify import verify
 
@@ -93,6 +93,10 @@ def test_hostile_entries_never_stop_the_server_answering_or_saving(tiny_model, t
         seen = set(before)
         for p in prompts[1:]:
             first, _ = generate(llm, p)
+            # Saves are written after the answer, on the worker's threads: wait for one to
+            # land (a loaded disk's fsync has taken seconds) before asking for the restore.
+            wait_until("a checkpoint of the conversation is written",
+                       lambda: regular_kv(ns_dir) - seen)
             seen |= regular_kv(ns_dir)
             restored, cached = generate(llm, p)
             assert restored == first and cached > 0  # saved, then restored from disk
