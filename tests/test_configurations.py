@@ -362,6 +362,39 @@ def test_device_copies_order_their_cuda_calls(monkeypatch):
     assert out[1].tobytes() == pages.tobytes()
 
 
+def test_device_copies_take_at_most_a_bounded_piece_of_device_memory(monkeypatch):
+    """The temporary a device gather (index_select) or scatter (the upload) makes is a piece
+    of at most DEVICE_TRANSIENT_BYTES, not a whole layer of the request's pages: it sits
+    outside vLLM's memory profile. The pages still land byte for byte."""
+    from vllm_kvdisk.connector import transfer
+
+    calls: list[str] = []
+    layers = [torch.rand(16, 2, 16, 4) for _ in range(2)]
+    mover = transfer.PageMover(layers, 16, "cuda:test", host_copies=False,
+                               streams=RecordingStreams(calls))
+    monkeypatch.setattr(transfer, "DEVICE_TRANSIENT_BYTES", 2 * mover.page_bytes)
+    pieces: list[int] = []
+    real_select = torch.index_select
+    monkeypatch.setattr(torch, "index_select",
+                        lambda t, dim, idx: pieces.append(len(idx)) or real_select(t, dim, idx))
+    ids = [9, 3, 4, 12, 0]
+    before = [t[ids].clone() for t in layers]
+    out = [np.empty(len(ids) * mover.page_bytes, dtype=np.uint8) for _ in layers]
+    mover.gather(ids, out)
+    assert pieces == [2, 2, 1] * len(layers)
+    assert [o.tobytes() for o in out] == [b.numpy().tobytes() for b in before]
+    uploads: list[int] = []
+    real_copy = torch.Tensor.index_copy_
+    monkeypatch.setattr(torch.Tensor, "index_copy_",
+                        lambda self, dim, idx, src: uploads.append(len(src))
+                        or real_copy(self, dim, idx, src))
+    pages = np.random.default_rng(1).integers(0, 255, len(ids) * mover.page_bytes, dtype=np.uint8)
+    mover.scatter(1, ids, pages)
+    assert uploads == [2, 2, 1]
+    assert layers[1][ids].numpy().tobytes() == pages.tobytes()
+    assert layers[0][ids].numpy().tobytes() == before[0].numpy().tobytes()
+
+
 # -- 7. found while reading -----------------------------------------------------------------
 def test_the_worker_store_gets_the_configured_lock_timeout(tmp_path):
     """``--kv-disk-lock-timeout-s`` reached only the scheduler; saves waited 10 s."""
