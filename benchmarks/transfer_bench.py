@@ -2,7 +2,13 @@
 
     .venv/bin/python benchmarks/transfer_bench.py [--blocks 64] [--layers 16]
 
-Uses the same PageMover and StagingPool the worker uses. On the CPU it times gathering
+Uses the same PageMover and StagingPool the worker uses. Before timing, each device's
+copies are checked (the process exits 1 if one fails): pages gathered from scattered
+blocks and scattered back are byte-identical; on a GPU a gather ordered after a mark()
+sees what a long "forward" on the compute stream wrote just before the mark (the side
+stream waits on its event), and a copy's device temporary stays within
+DEVICE_TRANSIENT_BYTES. Needs only torch and numpy (no vLLM): on a CUDA machine run
+``PYTHONPATH=. python benchmarks/transfer_bench.py``. On the CPU it times gathering
 a request's blocks of every layer into reused host buffers and scattering them back,
 against one contiguous tensor copy of the same bytes; where CUDA is present it also runs
 with the KV cache on the GPU (host side: pinned staging buffers, as the worker
@@ -35,6 +41,56 @@ def timed(fn, repeat: int, sync) -> float:
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def check(device: str) -> list[str]:
+    """The copies' correctness on ``device`` (the torch path, as a GPU runs it); returns
+    what failed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm_kvdisk.connector import transfer
+
+    failed = []
+    torch.manual_seed(0)
+    # 1 MiB pages, 256 blocks per layer: a 64-block copy is 64 MiB, 4 pieces of 16 MiB.
+    layers = [torch.rand(256, 2, 64, 2048, device=device) for _ in range(2)]
+    mover = PageMover(layers, 64, f"{device}:check", host_copies=False)
+    ids = sorted(np.random.default_rng(1).choice(256, 64, replace=False).tolist(), key=lambda i: -i)
+    alloc = pinned_buffer if device == "cuda" else (lambda n: np.empty(n, dtype=np.uint8))
+    out = [alloc(len(ids) * mover.page_bytes) for _ in layers]
+    if device == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    mover.gather(ids, out)
+    if device == "cuda":
+        extra = torch.cuda.max_memory_allocated() - base
+        if extra > transfer.DEVICE_TRANSIENT_BYTES + (1 << 20):
+            failed.append(f"gather took {extra >> 20} MiB of device memory (cap "
+                          f"{transfer.DEVICE_TRANSIENT_BYTES >> 20} MiB)")
+    want = [t[ids].contiguous().view(torch.uint8).cpu().numpy().tobytes() for t in layers]
+    if [o.tobytes() for o in out] != want:
+        failed.append("gathered pages differ from the blocks")
+    back = list(reversed(ids))
+    for i, o in enumerate(out):
+        mover.scatter(i, back, o)
+    if any(t[back].contiguous().view(torch.uint8).cpu().numpy().tobytes() != w
+           for t, w in zip(layers, want)):
+        failed.append("scattered pages differ from the pages given")
+    if device == "cuda":
+        # A "forward": long work on the compute stream, then the write a save must see.
+        for _ in range(50):
+            layers[0].mul_(1.0)
+        layers[0][ids] = 7.0
+        after = mover.mark()  # the engine thread, right after the forward is queued
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(mover.gather, ids, out, after).result()
+        if not (np.frombuffer(out[0], dtype=np.float32) == 7.0).all():
+            failed.append("a gather after mark() did not see the forward's writes")
+    checked = ("gather, scatter, stream order and device memory" if device == "cuda" else
+               "gather and scatter (stream order and device memory: on a GPU only)")
+    print(f"check {device}: " + ("FAILED: " + "; ".join(failed) if failed else f"{checked} ok"))
+    return failed
 
 
 def run(device: str, args: argparse.Namespace) -> None:
@@ -77,11 +133,15 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
+    failed = check("cpu")
     run("cpu", args)
     if torch.cuda.is_available():
+        failed += check("cuda")
         run("cuda", args)
     else:
         print("cuda: not available on this machine (the GPU path is untested here)")
+    if failed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
