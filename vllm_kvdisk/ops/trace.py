@@ -187,7 +187,7 @@ class Trace:
 
     def loaded(self, sha1: str, tokens: int, files: int, seconds: float) -> None:
         self.line(f"hit for sha1={sha1} (loaded {tokens} tokens from {files} file(s), "
-                  f"{seconds * 1e3:.0f} ms)")
+                  f"{seconds * 1e3:.1f} ms)")
 
     def device_hit(self, sha1: str, on_device: int, on_disk: int) -> None:
         self.line(f"device hit for sha1={sha1} ({on_device} tokens in the GPU prefix cache "
