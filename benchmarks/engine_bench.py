@@ -9,7 +9,8 @@ costs something), then in one run, with vLLM's default multi-process engine:
      default 128: far more often than ds4's 10000); ratio of wall times, each kvdisk run
      against the no-connector run beside it. A second no-connector engine runs in the
      same rounds: its ratio to the first is what this machine's noise alone gives (an
-     A/A control), the band a kvdisk ratio must leave to mean anything;
+     A/A control), the band a kvdisk ratio must leave to mean anything. The CPU time of
+     each engine's threads per run says where the connector's work went;
   2. time to first token for long prompts that sit between ds4's grid points (2048/32):
      cold prefill, a device (GPU-resident) prefix-cache hit, and a disk restore in a
      fresh engine on the same cache directory (a restart). Target: the restore within
@@ -47,6 +48,47 @@ from vllm_kvdisk.storage.fileread import read_meta
 
 
 SETTLE_S = 1.5
+CPU_KINDS = ("worker main thread", "engine core main thread", "worker's other threads")
+
+
+def started(procs: dict, name: str, make):
+    """``make()`` an engine and remember the processes it started under ``name``."""
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    llm = make()
+    procs[name] = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    return llm
+
+
+def thread_cpu(pids: set[int]) -> dict[tuple[int, int, str], float]:
+    """CPU seconds so far of every thread of ``pids``: (pid, tid, process name) -> s."""
+    import psutil
+
+    out = {}
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            for t in proc.threads():
+                out[pid, t.id, proc.name()] = t.user_time + t.system_time
+        except psutil.Error:
+            pass
+    return out
+
+
+def cpu_by_kind(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds between two ``thread_cpu`` readings: the worker's main thread (the
+    forward), the engine core's (scheduling), and the worker's other threads (kvdisk's
+    copies and writes, and a few of vLLM's). Both main threads busy-poll while they wait
+    for each other, so their CPU time follows the wall time; the other threads' is work."""
+    out = dict.fromkeys(CPU_KINDS, 0.0)
+    for (pid, tid, name), s in after.items():
+        worker, core = "Worker" in name, "EngineCor" in name  # names are cut at 15 chars
+        kind = (CPU_KINDS[0] if worker and pid == tid else CPU_KINDS[1] if core and pid == tid
+                else CPU_KINDS[2] if worker else None)
+        if kind:
+            out[kind] += s - before.get((pid, tid, name), 0.0)
+    return out
 
 
 def timed_generate(llm, prompts, max_tokens) -> float:
@@ -143,9 +185,12 @@ def main() -> None:
         runs = [batch(args.batch, 1024) for _ in range(args.decode_repeat)]
         # 1. decode while saving: both engines up, runs interleaved so drift and warm-up
         # hit both alike -------------------------------------------------------------------
-        base = make_llm(model, None)
+        procs = {}  # engine -> the processes it started (engine core, worker)
+        base = started(procs, "plain", lambda: make_llm(model, None))
         control = make_llm(model, None)  # A/A: the noise of two identical engines
-        disk = make_llm(model, kv, kv_cache_continued_interval_tokens=args.continued_interval)
+        disk = started(procs, "kvdisk", lambda: make_llm(
+            model, kv, kv_cache_continued_interval_tokens=args.continued_interval))
+        cpu = {name: [] for name in procs}  # per round: CPU seconds per kind of thread
         for llm in (base, control, disk):
             timed_generate(llm, batch(args.batch, 1024), 8)  # warm up
         plain, again, saving = [], [], []
@@ -154,7 +199,11 @@ def main() -> None:
                 # Let the previous engine settle first: vLLM's worker polls for 1 s after
                 # its last step, and a kvdisk run's last writes land after it returns.
                 time.sleep(SETTLE_S)
+                name = "plain" if llm is base else "kvdisk" if llm is disk else None
+                before = thread_cpu(procs[name]) if name else {}
                 times.append(timed_generate(llm, prompts, args.decode_tokens))
+                if name:
+                    cpu[name].append(cpu_by_kind(before, thread_cpu(procs[name])))
         close(control)
         lengths = [int(n) for n in args.prompt_tokens.split(",")]
         longs = {n: batch(1, n)[0] for n in lengths}
@@ -211,6 +260,9 @@ def main() -> None:
               + " ".join(f"{x:.3f}" for x in pairs))
         print(f"   A/A control, a second no-connector engine / the first: median {med(aa):.3f}; "
               "rounds " + " ".join(f"{x:.3f}" for x in aa))
+        print("   CPU seconds per run, median (less noisy than wall time): " + " | ".join(
+            f"{name}: " + ", ".join(f"{kind} {med(r[kind] for r in cpu[name]):.2f}"
+                                    for kind in CPU_KINDS) for name in cpu))
         print(f"2. time to first token, prompts between ds4 grid points, {files} files on disk "
               f"(median of {args.repeat}):")
         for n in lengths:
