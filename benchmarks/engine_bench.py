@@ -183,8 +183,8 @@ def main() -> None:
     try:
         print(f"model: {shape}, {kv_per_token // 1024} KiB of KV per token (fp32)")
         runs = [batch(args.batch, 1024) for _ in range(args.decode_repeat)]
-        # 1. decode while saving: both engines up, runs interleaved so drift and warm-up
-        # hit both alike -------------------------------------------------------------------
+        # 1. decode while saving: all three engines up, runs interleaved so drift and
+        # warm-up hit them alike -----------------------------------------------------------
         procs = {}  # engine -> the processes it started (engine core, worker)
         base = started(procs, "plain", lambda: make_llm(model, None))
         control = make_llm(model, None)  # A/A: the noise of two identical engines
@@ -195,11 +195,11 @@ def main() -> None:
             timed_generate(llm, batch(args.batch, 1024), 8)  # warm up
         plain, again, saving = [], [], []
         for prompts in runs:
-            for llm, times in ((base, plain), (disk, saving), (control, again)):
+            for name, llm, times in (("plain", base, plain), ("kvdisk", disk, saving),
+                                     (None, control, again)):
                 # Let the previous engine settle first: vLLM's worker polls for 1 s after
                 # its last step, and a kvdisk run's last writes land after it returns.
                 time.sleep(SETTLE_S)
-                name = "plain" if llm is base else "kvdisk" if llm is disk else None
                 before = thread_cpu(procs[name]) if name else {}
                 times.append(timed_generate(llm, prompts, args.decode_tokens))
                 if name:

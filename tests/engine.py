@@ -4,6 +4,7 @@ exact hit counts, an in-process engine and a `vllm-kvdisk serve` server."""
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Iterator
 
 from vllm_kvdisk.testing import harness
@@ -57,8 +58,6 @@ def events(path: str, kind: str) -> list[TraceEvent]:
 
 def wait_until(what: str, done, timeout: float = OUTCOME_WAIT_S) -> None:
     """Poll ``done`` until it is true; a hang guard, never a verdict on how long it took."""
-    import time
-
     deadline = time.monotonic() + timeout
     while not done():
         if time.monotonic() > deadline:
@@ -70,8 +69,6 @@ def wait_events(path: str, kind: str, count: int = 1, timeout: float = OUTCOME_W
                 where=lambda e: True) -> list[TraceEvent]:
     """The events of a kind, once at least ``count`` match (explanations and saves are
     written by background threads, shortly after the request returns)."""
-    import time
-
     deadline = time.monotonic() + timeout
     while True:
         found = [e for e in read(path, [kind]) if where(e)]
