@@ -16,17 +16,28 @@ from agent_workload import Ideal, Workload
 from vllm_kvdisk.testing import harness
 
 
-def stream_chat(url: str, messages: list[dict], max_tokens: int, timeout: float,
-                temperature: float = 0.0, seed: int | None = None) -> dict:
-    body = {"model": "agent", "messages": messages, "max_tokens": max_tokens,
-            "temperature": temperature, "stream": True,
-            "stream_options": {"include_usage": True}, "return_token_ids": True}
+def stream_chat(
+    url: str,
+    messages: list[dict],
+    max_tokens: int,
+    timeout: float,
+    temperature: float = 0.0,
+    seed: int | None = None,
+) -> dict:
+    body = {
+        "model": "agent",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
     if seed is not None:
         body["seed"] = seed
     t0 = time.perf_counter()
     ttft, parts, usage, prompt_ids, generated = None, [], None, None, []
-    with requests.post(url + "/v1/chat/completions", json=body, stream=True,
-                       timeout=timeout) as r:
+    with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=timeout) as r:
         r.raise_for_status()
         for line in r.iter_lines(chunk_size=None):
             if not line.startswith(b"data: "):
@@ -49,15 +60,28 @@ def stream_chat(url: str, messages: list[dict], max_tokens: int, timeout: float,
     total = time.perf_counter() - t0
     usage = usage or {}
     details = usage.get("prompt_tokens_details") or {}
-    return {"ttft_s": ttft if ttft is not None else total, "total_s": total,
-            "reply": "".join(parts), "prompt_tokens": usage.get("prompt_tokens"),
-            "cached_tokens": details.get("cached_tokens"),
-            "completion_tokens": usage.get("completion_tokens"),
-            "prompt_ids": prompt_ids or [], "generated_ids": generated}
+    return {
+        "ttft_s": ttft if ttft is not None else total,
+        "total_s": total,
+        "reply": "".join(parts),
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "cached_tokens": details.get("cached_tokens"),
+        "completion_tokens": usage.get("completion_tokens"),
+        "prompt_ids": prompt_ids or [],
+        "generated_ids": generated,
+    }
 
 
-def run_phase(server: harness.Server, wl: Workload, ideal: Ideal, history: list[list[dict]],
-              turns: range, config: str, phase: str, args) -> list[dict]:
+def run_phase(
+    server: harness.Server,
+    wl: Workload,
+    ideal: Ideal,
+    history: list[list[dict]],
+    turns: range,
+    config: str,
+    phase: str,
+    args,
+) -> list[dict]:
     """All sessions, the given turns, ``concurrency`` sessions at a time; session s waits
     for session 0's first turn (a sibling of session 0 must find its checkpoint)."""
     lock = threading.Lock()
@@ -72,19 +96,29 @@ def run_phase(server: harness.Server, wl: Workload, ideal: Ideal, history: list[
             first_done.wait(args.request_timeout)
         for t in turns:
             msgs = wl.messages(history[s], s, t)
-            rec = {"config": config, "phase": phase, "session": s, "turn": t,
-                   "first_after_restart": phase == "resumed" and t == turns.start,
-                   "start_s": round(time.perf_counter() - t_phase, 4)}
+            rec = {
+                "config": config,
+                "phase": phase,
+                "session": s,
+                "turn": t,
+                "first_after_restart": phase == "resumed" and t == turns.start,
+                "start_s": round(time.perf_counter() - t_phase, 4),
+            }
             try:
-                out = stream_chat(server.url, msgs, args.max_tokens, args.request_timeout,
-                                  args.temperature)
+                out = stream_chat(
+                    server.url, msgs, args.max_tokens, args.request_timeout, args.temperature
+                )
             except Exception as exc:  # noqa: BLE001 (recorded; the session stops here)
                 rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 with lock:
                     records.append(rec)
                 first_done.set()
                 return
-            reply, prompt_ids, generated = out.pop("reply"), out.pop("prompt_ids"), out.pop("generated_ids")
+            reply, prompt_ids, generated = (
+                out.pop("reply"),
+                out.pop("prompt_ids"),
+                out.pop("generated_ids"),
+            )
             with lock:
                 rec["ideal_tokens"] = ideal.of(prompt_ids)  # computed before this request ended
                 ideal.add(prompt_ids, generated)

@@ -54,9 +54,13 @@ class CpuMeter:
         busy = self._busy() - self.sys0
         srv = _tree_cpu_s(self.pid) - self.srv0
         me = self._me() - self.me0
-        return {"wall_s": round(wall, 2), "machine_cores": round(busy / wall, 2),
-                "server_cores": round(srv / wall, 2), "client_cores": round(me / wall, 2),
-                "other_cores": round(max(0.0, busy - srv - me) / wall, 2)}
+        return {
+            "wall_s": round(wall, 2),
+            "machine_cores": round(busy / wall, 2),
+            "server_cores": round(srv / wall, 2),
+            "client_cores": round(me / wall, 2),
+            "other_cores": round(max(0.0, busy - srv - me) / wall, 2),
+        }
 
 
 def engine_cores(log_path: str) -> str | None:
@@ -85,14 +89,18 @@ def disk_usage(path: str | None) -> dict:
 
 def token_sources(before: dict, after: dict) -> dict:
     """The server's own split of prompt tokens over a phase (counters' difference)."""
+
     def delta(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    out = {src: int(delta(f'vllm:prompt_tokens_by_source_total{{source="{src}"}}'))
-           for src in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+    out = {
+        src: int(delta(f'vllm:prompt_tokens_by_source_total{{source="{src}"}}'))
+        for src in ("local_compute", "local_cache_hit", "external_kv_transfer")
+    }
     for key in after:
-        if key.startswith("vllm:kvdisk_") and (key.endswith(("_total", "_sum", "_count"))
-                                               or "_total{" in key):
+        if key.startswith("vllm:kvdisk_") and (
+            key.endswith(("_total", "_sum", "_count")) or "_total{" in key
+        ):
             out[key.removeprefix("vllm:")] = delta(key)
     return out
 
@@ -102,8 +110,12 @@ def storage_limit(cache_dir: str, phases: dict, threads: int = 4) -> dict:
     server's restore and save paths achieved on them (its load/save histograms)."""
     from io_bench import CHUNK, drop_cache, raw_read, raw_write
 
-    paths = [os.path.join(d, f) for d, _, fs in os.walk(cache_dir) for f in fs
-             if f.endswith(".kv") and "quarantine" not in d]
+    paths = [
+        os.path.join(d, f)
+        for d, _, fs in os.walk(cache_dir)
+        for f in fs
+        if f.endswith(".kv") and "quarantine" not in d
+    ]
     sizes = [os.path.getsize(p) for p in paths]
     total = sum(sizes)
     if not total:
@@ -132,8 +144,7 @@ def storage_limit(cache_dir: str, phases: dict, threads: int = 4) -> dict:
     scratch = os.path.join(os.path.dirname(cache_dir), "write-limit")
     os.makedirs(scratch, exist_ok=True)
     counter = iter(range(10**9))
-    write = timed(lambda: [raw_write(scratch, [buf[:n]], next(counter)) for n in sizes],
-                  cold=False)
+    write = timed(lambda: [raw_write(scratch, [buf[:n]], next(counter)) for n in sizes], cold=False)
     shutil.rmtree(scratch, ignore_errors=True)
     pool.shutdown()
     tok = [ph.get("tokens", {}) for ph in phases.values()]
@@ -141,11 +152,17 @@ def storage_limit(cache_dir: str, phases: dict, threads: int = 4) -> dict:
     read_s = sum(t.get("kvdisk_load_seconds_sum", 0) for t in tok)
     wrote_b = sum(t.get("kvdisk_bytes_written_total", 0) for t in tok)
     wrote_s = sum(t.get("kvdisk_save_seconds_sum", 0) for t in tok)
-    out = {"files": len(paths), "bytes": total,
-           "limit_read_warm_gbps": total / warm / 1e9, "limit_read_cold_gbps": total / cold / 1e9,
-           "limit_write_fsync_gbps": total / write / 1e9,
-           "server_restore_bytes": read_b, "server_restore_s": read_s,
-           "server_save_bytes": wrote_b, "server_save_s": wrote_s}
+    out = {
+        "files": len(paths),
+        "bytes": total,
+        "limit_read_warm_gbps": total / warm / 1e9,
+        "limit_read_cold_gbps": total / cold / 1e9,
+        "limit_write_fsync_gbps": total / write / 1e9,
+        "server_restore_bytes": read_b,
+        "server_restore_s": read_s,
+        "server_save_bytes": wrote_b,
+        "server_save_s": wrote_s,
+    }
     if read_b and read_s:
         out["server_restore_gbps"] = read_b / read_s / 1e9
     if wrote_b and wrote_s:

@@ -25,25 +25,70 @@ import sysconfig
 import numpy as np
 
 TOOLS = [
-    ("read_file", ("Read a text file from the workspace and return its contents with line "
-     "numbers. Large files are truncated; use offset and limit to page through them."),
-     {"path": "string", "offset": "integer", "limit": "integer"}),
-    ("write_file", ("Create or overwrite a file in the workspace with the given content. "
-     "Parent directories are created as needed."), {"path": "string", "content": "string"}),
-    ("apply_patch", ("Apply a unified diff to files in the workspace. Fails without changing "
-     "anything if a hunk does not apply cleanly."), {"patch": "string"}),
-    ("run_shell", ("Run a shell command in the workspace and return its exit status, "
-     "standard output and standard error, truncated to the last 20000 characters."),
-     {"command": "string", "timeout_s": "integer"}),
-    ("grep", ("Search files under a directory for a regular expression and return matching "
-     "lines with file names and line numbers."),
-     {"pattern": "string", "path": "string", "glob": "string"}),
-    ("list_dir", ("List the entries of a directory, with sizes and types, recursively up to "
-     "the given depth."), {"path": "string", "depth": "integer"}),
-    ("run_tests", ("Run the project's test suite or a subset of it and return the summary and "
-     "the output of failing tests."), {"selector": "string", "verbose": "boolean"}),
-    ("search_docs", ("Search the documentation index of the project's dependencies and return "
-     "the best matching passages with their source."), {"query": "string", "top_k": "integer"}),
+    (
+        "read_file",
+        (
+            "Read a text file from the workspace and return its contents with line "
+            "numbers. Large files are truncated; use offset and limit to page through them."
+        ),
+        {"path": "string", "offset": "integer", "limit": "integer"},
+    ),
+    (
+        "write_file",
+        (
+            "Create or overwrite a file in the workspace with the given content. "
+            "Parent directories are created as needed."
+        ),
+        {"path": "string", "content": "string"},
+    ),
+    (
+        "apply_patch",
+        (
+            "Apply a unified diff to files in the workspace. Fails without changing "
+            "anything if a hunk does not apply cleanly."
+        ),
+        {"patch": "string"},
+    ),
+    (
+        "run_shell",
+        (
+            "Run a shell command in the workspace and return its exit status, "
+            "standard output and standard error, truncated to the last 20000 characters."
+        ),
+        {"command": "string", "timeout_s": "integer"},
+    ),
+    (
+        "grep",
+        (
+            "Search files under a directory for a regular expression and return matching "
+            "lines with file names and line numbers."
+        ),
+        {"pattern": "string", "path": "string", "glob": "string"},
+    ),
+    (
+        "list_dir",
+        (
+            "List the entries of a directory, with sizes and types, recursively up to "
+            "the given depth."
+        ),
+        {"path": "string", "depth": "integer"},
+    ),
+    (
+        "run_tests",
+        (
+            "Run the project's test suite or a subset of it and return the summary and "
+            "the output of failing tests."
+        ),
+        {"selector": "string", "verbose": "boolean"},
+    ),
+    (
+        "search_docs",
+        (
+            "Search the documentation index of the project's dependencies and return "
+            "the best matching passages with their source."
+        ),
+        {"query": "string", "top_k": "integer"},
+    ),
 ]
 
 
@@ -55,28 +100,46 @@ def corpus() -> str:
 
 
 class Workload:
-    def __init__(self, tokenizer, *, sessions: int, turns: int, system_tokens: int,
-                 tools_tokens: int, task_tokens: int, tool_result_tokens: int, seed: int = 0):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        sessions: int,
+        turns: int,
+        system_tokens: int,
+        tools_tokens: int,
+        task_tokens: int,
+        tool_result_tokens: int,
+        seed: int = 0,
+    ):
         self.tok = tokenizer
         self.text = corpus()
         rng = np.random.default_rng(seed)
-        self.system = ("You are a careful software engineering agent working in a git "
-                       "repository. Think step by step, call one tool at a time, read "
-                       "before you write, and keep answers short.\n\n# Project notes\n"
-                       + self.snippet(system_tokens, rng))
+        self.system = (
+            "You are a careful software engineering agent working in a git "
+            "repository. Think step by step, call one tool at a time, read "
+            "before you write, and keep answers short.\n\n# Project notes\n"
+            + self.snippet(system_tokens, rng)
+        )
         self.system += "\n\n# Tools\n\n" + self.tool_block(tools_tokens, rng)
         first_task = self.snippet(task_tokens, rng)
         shared = first_task[: len(first_task) // 2]
         self.tasks = []
         for s in range(sessions):
             own = first_task if s == 0 else shared + self.snippet(task_tokens // 2, rng)
-            self.tasks.append("Task: the project at /work/project has a failing test. Find "
-                              "the cause and fix it. Context from the issue:\n" + own
-                              + f"\n[session {s}]")
-        self.results = [[None] + [
-            f"Tool result (call {t}, {TOOLS[(s + t) % len(TOOLS)][0]}):\n"
-            + self.snippet(int(tool_result_tokens * rng.uniform(0.5, 1.5)), rng)
-            for t in range(1, turns)] for s in range(sessions)]
+            self.tasks.append(
+                "Task: the project at /work/project has a failing test. Find "
+                "the cause and fix it. Context from the issue:\n" + own + f"\n[session {s}]"
+            )
+        self.results = [
+            [None]
+            + [
+                f"Tool result (call {t}, {TOOLS[(s + t) % len(TOOLS)][0]}):\n"
+                + self.snippet(int(tool_result_tokens * rng.uniform(0.5, 1.5)), rng)
+                for t in range(1, turns)
+            ]
+            for s in range(sessions)
+        ]
 
     def tokens(self, text: str) -> int:
         return len(self.tok.encode(text, add_special_tokens=False))
@@ -85,7 +148,7 @@ class Workload:
         if n_tokens <= 0:
             return ""
         start = int(rng.integers(0, len(self.text) - 12 * n_tokens))
-        ids = self.tok.encode(self.text[start:start + 12 * n_tokens], add_special_tokens=False)
+        ids = self.tok.encode(self.text[start : start + 12 * n_tokens], add_special_tokens=False)
         return self.tok.decode(ids[:n_tokens])
 
     def tool_block(self, n_tokens: int, rng) -> str:
@@ -97,22 +160,33 @@ class Workload:
             i += 1
             desc = " ".join(self.snippet(40, rng).split())
             tools.append(self._tool(f"project_tool_{i}", desc, {"args": "string"}))
-        return ("You may call one or more functions. Function signatures are within "
-                "<tools></tools> XML tags:\n<tools>\n" + "\n".join(tools) + "\n</tools>\n"
-                "Answer a call with a JSON object {\"name\": ..., \"arguments\": {...}}.")
+        return (
+            "You may call one or more functions. Function signatures are within "
+            "<tools></tools> XML tags:\n<tools>\n" + "\n".join(tools) + "\n</tools>\n"
+            'Answer a call with a JSON object {"name": ..., "arguments": {...}}.'
+        )
 
     @staticmethod
     def _tool(name: str, desc: str, params: dict[str, str]) -> str:
-        schema = {"type": "object", "required": [next(iter(params))],
-                  "properties": {k: {"type": v} for k, v in params.items()}}
-        return json.dumps({"type": "function", "function": {
-            "name": name, "description": desc, "parameters": schema}})
+        schema = {
+            "type": "object",
+            "required": [next(iter(params))],
+            "properties": {k: {"type": v} for k, v in params.items()},
+        }
+        return json.dumps(
+            {
+                "type": "function",
+                "function": {"name": name, "description": desc, "parameters": schema},
+            }
+        )
 
     def messages(self, history: list[dict], session: int, turn: int) -> list[dict]:
         """The conversation of ``session`` at ``turn`` (1-based), after ``history``."""
         if turn == 1:
-            return [{"role": "system", "content": self.system},
-                    {"role": "user", "content": self.tasks[session]}]
+            return [
+                {"role": "system", "content": self.system},
+                {"role": "user", "content": self.tasks[session]},
+            ]
         return history + [{"role": "user", "content": self.results[session][turn - 1]}]
 
 

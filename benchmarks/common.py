@@ -15,8 +15,12 @@ __all__ = ["close", "kv_bytes_per_token", "make_llm", "model_shape"]
 
 def model_shape(hidden: int, layers: int) -> dict[str, int]:
     """A random Llama shape for vllm_kvdisk.testing.tinymodel: 64-dim heads, one KV head per 4."""
-    return {"hidden": hidden, "layers": layers, "heads": hidden // 64,
-            "kv_heads": max(1, hidden // 256)}
+    return {
+        "hidden": hidden,
+        "layers": layers,
+        "heads": hidden // 64,
+        "kv_heads": max(1, hidden // 256),
+    }
 
 
 def kv_bytes_per_token(shape: dict[str, int]) -> int:

@@ -21,14 +21,14 @@ import time
 
 import numpy as np
 
-from vllm_kvdisk.core.format import PageLayout, Reason
+from vllm_kvdisk.core.encode import encode_plan
 from vllm_kvdisk.core.entry import Entry, head_digest
+from vllm_kvdisk.core.format import PageLayout, Reason
 from vllm_kvdisk.core.index import Index
 from vllm_kvdisk.core.keys import Fingerprint, as_token_array, token_digest
 from vllm_kvdisk.core.planner import Planner, Prompt, SavePlan
-from vllm_kvdisk.core.encode import encode_plan
-from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.core.tokens import TokenTable
+from vllm_kvdisk.storage.store import Store
 
 LAYOUT = PageLayout("bench:LBHNC", 128, 1, (1, 128, 1), "float32")
 FP = Fingerprint("bench", "0", "float32", LAYOUT.name, 128, 1, 0)
@@ -48,10 +48,17 @@ def make_files(root: str, count: int, text_bytes: int) -> int:
         parent = None
         for start, end, reason in ((0, 128, Reason.COLD), (128, 256, Reason.EVICT)):
             plan = SavePlan(ns, prompt.sha1_at(end), end, parent, start, reason)
-            enc = encode_plan(plan, text=prompt.text_upto(end), ids=prompt.ids,
-                              layers=[bytes(LAYOUT.page_bytes)], layout=LAYOUT,
-                              fingerprint=FP.digest(), kv_dtype="float32", context_size=8192,
-                              now=1_700_000_000)
+            enc = encode_plan(
+                plan,
+                text=prompt.text_upto(end),
+                ids=prompt.ids,
+                layers=[bytes(LAYOUT.page_bytes)],
+                layout=LAYOUT,
+                fingerprint=FP.digest(),
+                kv_dtype="float32",
+                context_size=8192,
+                now=1_700_000_000,
+            )
             with open(os.path.join(root, ns, f"{plan.sha1}.kv"), "wb") as fh:
                 for buf in enc.buffers:
                     fh.write(buf)
@@ -65,8 +72,10 @@ def bench_scan(files: int, text_bytes: int) -> None:
     try:
         t0 = time.perf_counter()
         n = make_files(root, files, text_bytes)
-        print(f"setup: wrote {n} files (half roots, half deltas; {text_bytes} bytes of text "
-              f"each) in {time.perf_counter() - t0:.1f} s")
+        print(
+            f"setup: wrote {n} files (half roots, half deltas; {text_bytes} bytes of text "
+            f"each) in {time.perf_counter() - t0:.1f} s"
+        )
         times = []
         for _ in range(3):
             store = Store(root, space_bytes=1 << 50)
@@ -75,17 +84,23 @@ def bench_scan(files: int, text_bytes: int) -> None:
             times.append(time.perf_counter() - t0)
             assert len(store.index) == n
         best = min(times)
-        print(f"scan {n} files (first bytes only, warm page cache): best {best:.2f} s, "
-              f"median {statistics.median(times):.2f} s; target 2 s for 100k -> ratio "
-              f"{best / n * 1e5 / 2:.2f}")
+        print(
+            f"scan {n} files (first bytes only, warm page cache): best {best:.2f} s, "
+            f"median {statistics.median(times):.2f} s; target 2 s for 100k -> ratio "
+            f"{best / n * 1e5 / 2:.2f}"
+        )
         t0 = time.perf_counter()
         changed = store.refresh(store.namespaces()[0])
-        print(f"refresh with nothing changed: {(time.perf_counter() - t0) * 1e3:.3f} ms "
-              f"(re-listed: {changed})")
+        print(
+            f"refresh with nothing changed: {(time.perf_counter() - t0) * 1e3:.3f} ms "
+            f"(re-listed: {changed})"
+        )
         t0 = time.perf_counter()
         store.refresh(store.namespaces()[0], force=True)
-        print(f"re-listing with nothing new (a refresh within a timestamp tick of the last "
-              f"change): {(time.perf_counter() - t0) * 1e3:.1f} ms")
+        print(
+            f"re-listing with nothing new (a refresh within a timestamp tick of the last "
+            f"change): {(time.perf_counter() - t0) * 1e3:.1f} ms"
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -99,13 +114,32 @@ def bench_lookup(n_tokens: int, others: int) -> None:
     index = Index()
 
     def add(sha1: str, start: int, end: int, parent: str | None, seq: np.ndarray) -> None:
-        index.add(Entry("ns", sha1, end, parent, start, Reason.COLD, 0, 0, 0, 1,
-                        token_digest(seq[:end]), head_digest(seq, start, block)))
+        index.add(
+            Entry(
+                "ns",
+                sha1,
+                end,
+                parent,
+                start,
+                Reason.COLD,
+                0,
+                0,
+                0,
+                1,
+                token_digest(seq[:end]),
+                head_digest(seq, start, block),
+            )
+        )
 
     # The prompt's own chain: the system prompt, then a grid point every 2048 tokens and
     # a tail per turn between them, up to 3/4 of the prompt (the last quarter is new).
-    ends = sorted({system, *range(2048, n_tokens * 3 // 4, 2048),
-                   *range(2048 + 1000, n_tokens * 3 // 4, 2048)})
+    ends = sorted(
+        {
+            system,
+            *range(2048, n_tokens * 3 // 4, 2048),
+            *range(2048 + 1000, n_tokens * 3 // 4, 2048),
+        }
+    )
     parent, start = None, 0
     for k, end in enumerate(ends):
         add(f"own{k}", start, end, parent, arr)
@@ -113,11 +147,13 @@ def bench_lookup(n_tokens: int, others: int) -> None:
     # 100k other sessions below the same system prompt, each one file, its own ids after it.
     other = arr.copy()
     for i in range(others):
-        other[system:system + block] = rng.integers(0, 32000, block)
+        other[system : system + block] = rng.integers(0, 32000, block)
         add(f"o{i}", system, system + 2048, "own0", other)
     planner = Planner(index, block, lambda e, a, b: None)
-    print(f"index: {len(index)} files; prompt {n_tokens} tokens; the deepest checkpoint at "
-          f"{ends[-1]} through {len(ends)} files")
+    print(
+        f"index: {len(index)} files; prompt {n_tokens} tokens; the deepest checkpoint at "
+        f"{ends[-1]} through {len(ends)} files"
+    )
 
     def timed(label: str, prompt_ids: list[int]) -> None:
         times = []
@@ -127,11 +163,16 @@ def bench_lookup(n_tokens: int, others: int) -> None:
             times.append(time.perf_counter() - t0)
         assert result.tokens == ends[-1] and len(result.segments) == len(ends)
         med = statistics.median(times) * 1e3
-        print(f"lookup {len(prompt_ids)}-token prompt, {label}: best {min(times) * 1e3:.2f} ms, "
-              f"median {med:.2f} ms; target 2 ms -> ratio {med / 2:.2f}")
+        print(
+            f"lookup {len(prompt_ids)}-token prompt, {label}: best {min(times) * 1e3:.2f} ms, "
+            f"median {med:.2f} ms; target 2 ms -> ratio {med / 2:.2f}"
+        )
 
     timed("first sight", ids)
-    timed("next turn (the previous turn + 1000 new tokens)", ids + rng.integers(0, 32000, 1000).tolist())
+    timed(
+        "next turn (the previous turn + 1000 new tokens)",
+        ids + rng.integers(0, 32000, 1000).tolist(),
+    )
 
 
 def main() -> None:

@@ -45,8 +45,6 @@ from vllm_kvdisk.core.config import KVDiskConfig
 from vllm_kvdisk.ops import trace
 from vllm_kvdisk.storage.fileread import read_meta
 
-
-
 SETTLE_S = 1.5
 CPU_KINDS = ("worker main thread", "engine core main thread", "worker's other threads")
 
@@ -84,8 +82,15 @@ def cpu_by_kind(before: dict, after: dict) -> dict[str, float]:
     out = dict.fromkeys(CPU_KINDS, 0.0)
     for (pid, tid, name), s in after.items():
         worker, core = "Worker" in name, "EngineCor" in name  # names are cut at 15 chars
-        kind = (CPU_KINDS[0] if worker and pid == tid else CPU_KINDS[1] if core and pid == tid
-                else CPU_KINDS[2] if worker else None)
+        kind = (
+            CPU_KINDS[0]
+            if worker and pid == tid
+            else CPU_KINDS[1]
+            if core and pid == tid
+            else CPU_KINDS[2]
+            if worker
+            else None
+        )
         if kind:
             out[kind] += s - before.get((pid, tid, name), 0.0)
     return out
@@ -101,8 +106,12 @@ def timed_generate(llm, prompts, max_tokens) -> float:
 
 
 def kv_paths(kv: str) -> dict[str, str]:
-    return {f[:-3]: os.path.join(d, f) for d, _, fs in os.walk(kv) for f in fs
-            if f.endswith(".kv") and "quarantine" not in d}
+    return {
+        f[:-3]: os.path.join(d, f)
+        for d, _, fs in os.walk(kv)
+        for f in fs
+        if f.endswith(".kv") and "quarantine" not in d
+    }
 
 
 def chain(paths: dict[str, str], sha1: str | None) -> list[str]:
@@ -149,17 +158,28 @@ def staging_peak(worker) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompt-tokens", default="5000,10000",
-                    help="comma-separated prompt lengths for the TTFT part")
+    ap.add_argument(
+        "--prompt-tokens",
+        default="5000,10000",
+        help="comma-separated prompt lengths for the TTFT part",
+    )
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--decode-repeat", type=int, default=5,
-                    help="rounds of part 1 (each: no connector, kvdisk, no connector again)")
-    ap.add_argument("--continued-interval", type=int, default=128,
-                    help="continued-save interval while decoding (ds4 default: 10000)")
+    ap.add_argument(
+        "--decode-repeat",
+        type=int,
+        default=5,
+        help="rounds of part 1 (each: no connector, kvdisk, no connector again)",
+    )
+    ap.add_argument(
+        "--continued-interval",
+        type=int,
+        default=128,
+        help="continued-save interval while decoding (ds4 default: 10000)",
+    )
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # two engines run at once
     # vLLM's CPU build reserves one core for a KV connector's engine but, on a 2-core
@@ -188,15 +208,21 @@ def main() -> None:
         procs = {}  # engine -> the processes it started (engine core, worker)
         base = started(procs, "plain", lambda: make_llm(model, None))
         control = make_llm(model, None)  # A/A: the noise of two identical engines
-        disk = started(procs, "kvdisk", lambda: make_llm(
-            model, kv, kv_cache_continued_interval_tokens=args.continued_interval))
+        disk = started(
+            procs,
+            "kvdisk",
+            lambda: make_llm(model, kv, kv_cache_continued_interval_tokens=args.continued_interval),
+        )
         cpu = {name: [] for name in procs}  # per round: CPU seconds per kind of thread
         for llm in (base, control, disk):
             timed_generate(llm, batch(args.batch, 1024), 8)  # warm up
         plain, again, saving = [], [], []
         for prompts in runs:
-            for name, llm, times in (("plain", base, plain), ("kvdisk", disk, saving),
-                                     (None, control, again)):
+            for name, llm, times in (
+                ("plain", base, plain),
+                ("kvdisk", disk, saving),
+                (None, control, again),
+            ):
                 # Let the previous engine settle first: vLLM's worker polls for 1 s after
                 # its last step, and a kvdisk run's last writes land after it returns.
                 time.sleep(SETTLE_S)
@@ -207,8 +233,10 @@ def main() -> None:
         close(control)
         lengths = [int(n) for n in args.prompt_tokens.split(",")]
         longs = {n: batch(1, n)[0] for n in lengths}
-        ttft_cold = {n: [timed_generate(base, [batch(1, n)[0]], 1) for _ in range(args.repeat)]
-                     for n in lengths}
+        ttft_cold = {
+            n: [timed_generate(base, [batch(1, n)[0]], 1) for _ in range(args.repeat)]
+            for n in lengths
+        }
         close(base)
         # 2. time to first token ---------------------------------------------------------
         ttft_device = {}
@@ -237,7 +265,8 @@ def main() -> None:
                         for path in paths.values():
                             drop_cache(path)
                     (ttft_cold_disk if cold else ttft_disk)[n].append(
-                        timed_generate(restarted, [prompt], 1))
+                        timed_generate(restarted, [prompt], 1)
+                    )
                     loads, seen = loads_traced(trace_path, seen)
                     if len(loads) == 1:
                         heads[n] = loads[0][0]
@@ -246,45 +275,70 @@ def main() -> None:
                         rr = raw_reads(chain(paths, heads[n]), pool, cold, 1)
                         beside[n, cold].append(rr / max(loads[0][1], 1e-4))
         close(restarted)
-        raw = {(n, cold): raw_reads(chain(paths, heads[n]), pool, cold, args.repeat)
-               for n in lengths if n in heads for cold in (False, True)}
+        raw = {
+            (n, cold): raw_reads(chain(paths, heads[n]), pool, cold, args.repeat)
+            for n in lengths
+            if n in heads
+            for cold in (False, True)
+        }
         pool.shutdown()
         med = statistics.median
         pairs = [k / p for k, p in zip(saving, plain)]
         aa = [a / p for a, p in zip(again, plain)]
-        print(f"1. batch of {args.batch} x 1024-token prompts, {args.decode_tokens} tokens each "
-              f"({args.decode_repeat} rounds):")
-        print(f"   no connector {med(plain):.2f} s | kvdisk saving (cold + continued every "
-              f"{args.continued_interval} tokens) {med(saving):.2f} s | ratio, median of the "
-              f"rounds {med(pairs):.3f} (target <= 1.05); rounds "
-              + " ".join(f"{x:.3f}" for x in pairs))
-        print(f"   A/A control, a second no-connector engine / the first: median {med(aa):.3f}; "
-              "rounds " + " ".join(f"{x:.3f}" for x in aa))
-        print("   CPU seconds per run, median (less noisy than wall time): " + " | ".join(
-            f"{name}: " + ", ".join(f"{kind} {med(r[kind] for r in cpu[name]):.2f}"
-                                    for kind in CPU_KINDS) for name in cpu))
-        print(f"2. time to first token, prompts between ds4 grid points, {files} files on disk "
-              f"(median of {args.repeat}):")
+        print(
+            f"1. batch of {args.batch} x 1024-token prompts, {args.decode_tokens} tokens each "
+            f"({args.decode_repeat} rounds):"
+        )
+        print(
+            f"   no connector {med(plain):.2f} s | kvdisk saving (cold + continued every "
+            f"{args.continued_interval} tokens) {med(saving):.2f} s | ratio, median of the "
+            f"rounds {med(pairs):.3f} (target <= 1.05); rounds "
+            + " ".join(f"{x:.3f}" for x in pairs)
+        )
+        print(
+            f"   A/A control, a second no-connector engine / the first: median {med(aa):.3f}; "
+            "rounds " + " ".join(f"{x:.3f}" for x in aa)
+        )
+        print(
+            "   CPU seconds per run, median (less noisy than wall time): "
+            + " | ".join(
+                f"{name}: "
+                + ", ".join(f"{kind} {med(r[kind] for r in cpu[name]):.2f}" for kind in CPU_KINDS)
+                for name in cpu
+            )
+        )
+        print(
+            f"2. time to first token, prompts between ds4 grid points, {files} files on disk "
+            f"(median of {args.repeat}):"
+        )
         for n in lengths:
             c, d, k = med(ttft_cold[n]), med(ttft_device[n]), med(ttft_disk[n])
-            print(f"   {n} tokens ({n * kv_per_token / 1e6:.0f} MB of KV): cold prefill "
-                  f"{c * 1e3:.0f} ms | device prefix-cache hit {d * 1e3:.0f} ms | disk restore "
-                  f"after restart {k * 1e3:.0f} ms -> disk/device {k / d:.2f} (target <= 1.5), "
-                  f"cold/disk {c / k:.1f}x")
-        print("3. the same restore with its files dropped from the page cache; raw: a cold "
-              "read of the prompt's chain, 4 threads:")
+            print(
+                f"   {n} tokens ({n * kv_per_token / 1e6:.0f} MB of KV): cold prefill "
+                f"{c * 1e3:.0f} ms | device prefix-cache hit {d * 1e3:.0f} ms | disk restore "
+                f"after restart {k * 1e3:.0f} ms -> disk/device {k / d:.2f} (target <= 1.5), "
+                f"cold/disk {c / k:.1f}x"
+            )
+        print(
+            "3. the same restore with its files dropped from the page cache; raw: a cold "
+            "read of the prompt's chain, 4 threads:"
+        )
         for n in lengths:
             if n not in heads:
                 print(f"   {n} tokens: no restore was traced")
                 continue
             d, k, rc = med(ttft_device[n]), med(ttft_cold_disk[n]), raw[n, True]
-            print(f"   {n} tokens: disk restore (cold) {k * 1e3:.0f} ms | device hit "
-                  f"{d * 1e3:.0f} ms + 1.1 x raw cold read {rc * 1e3:.0f} ms = "
-                  f"{(d + 1.1 * rc) * 1e3:.0f} ms -> (restore - device) / raw "
-                  f"{(k - d) / rc:.2f} (target <= 1.1)")
-        print("4. restore inside the server (the trace's load time) / a raw read of the same "
-              "files, 4 threads: beside it (read right after each restore), and after the "
-              "engine closed:")
+            print(
+                f"   {n} tokens: disk restore (cold) {k * 1e3:.0f} ms | device hit "
+                f"{d * 1e3:.0f} ms + 1.1 x raw cold read {rc * 1e3:.0f} ms = "
+                f"{(d + 1.1 * rc) * 1e3:.0f} ms -> (restore - device) / raw "
+                f"{(k - d) / rc:.2f} (target <= 1.1)"
+            )
+        print(
+            "4. restore inside the server (the trace's load time) / a raw read of the same "
+            "files, 4 threads: beside it (read right after each restore), and after the "
+            "engine closed:"
+        )
         for n in lengths:
             if n not in heads:
                 continue
@@ -292,16 +346,21 @@ def main() -> None:
             for cold, label in ((False, "page cache"), (True, "cold")):
                 if load_s[n, cold]:
                     ls, rr = med(load_s[n, cold]), raw[n, cold]
-                    parts.append(f"{label}: load {ls * 1e3:.0f} ms, raw/load beside "
-                                 f"{med(beside[n, cold]):.2f} (rounds "
-                                 + " ".join(f"{x:.2f}" for x in beside[n, cold])
-                                 + f"), after close raw {rr * 1e3:.0f} ms -> "
-                                 f"{rr / ls if ls else float('inf'):.2f}")
+                    parts.append(
+                        f"{label}: load {ls * 1e3:.0f} ms, raw/load beside "
+                        f"{med(beside[n, cold]):.2f} (rounds "
+                        + " ".join(f"{x:.2f}" for x in beside[n, cold])
+                        + f"), after close raw {rr * 1e3:.0f} ms -> "
+                        f"{rr / ls if ls else float('inf'):.2f}"
+                    )
             print(f"   {n} tokens: " + " | ".join(parts) + " (target >= 0.9)")
         cap = {f.name: f.default for f in dataclasses.fields(KVDiskConfig)}[
-            "kv_disk_staging_inflight_mb"]
-        print(f"5. staging held by saves in flight: peak {peak / 2**20:.1f} MiB of the "
-              f"{cap} MiB cap (kv_disk_staging_inflight_mb)")
+            "kv_disk_staging_inflight_mb"
+        ]
+        print(
+            f"5. staging held by saves in flight: peak {peak / 2**20:.1f} MiB of the "
+            f"{cap} MiB cap (kv_disk_staging_inflight_mb)"
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

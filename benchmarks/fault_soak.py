@@ -44,10 +44,11 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 from crash_child import prompts  # noqa: E402
-from vllm_kvdisk.testing.harness import engine, generate  # noqa: E402
+
 from vllm_kvdisk.storage.store import Store  # noqa: E402
-from vllm_kvdisk.testing.tinymodel import build_tiny_model  # noqa: E402
 from vllm_kvdisk.storage.verify import verify  # noqa: E402
+from vllm_kvdisk.testing.harness import engine, generate  # noqa: E402
+from vllm_kvdisk.testing.tinymodel import build_tiny_model  # noqa: E402
 
 CHILD = REPO / "tests" / "crash_child.py"
 
@@ -60,9 +61,13 @@ def child(model: str, kv: str, out: str, seed: int, count: int, **cfg) -> subpro
     """The child's output goes to OUT.log (kept when the soak fails)."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     with open(out + ".log", "wb") as log:
-        return subprocess.Popen([sys.executable, str(CHILD), model, kv, out, str(seed),
-                                 str(count), json.dumps(cfg)], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, str(CHILD), model, kv, out, str(seed), str(count), json.dumps(cfg)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def failed(what: str, out: str) -> SystemExit:
@@ -75,8 +80,10 @@ def references(model: str, counts: dict[int, int]) -> dict[int, list[list[int]]]
     """No-cache answers of ``prompts(seed, count)`` for each seed, from one engine."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     with engine(model, None, prefix_caching=False) as llm:
-        return {seed: [generate(llm, p, max_tokens=8)[0] for p in prompts(seed, count)]
-                for seed, count in counts.items()}
+        return {
+            seed: [generate(llm, p, max_tokens=8)[0] for p in prompts(seed, count)]
+            for seed, count in counts.items()
+        }
 
 
 def problems(kv: str) -> list:
@@ -118,16 +125,21 @@ def kill_loop(model: str, work: str, kills: int, say) -> None:
             checked += len(answers)
             mismatches += sum(not (a["first"] == a["again"] == r) for a, r in zip(answers, ref))
             restored += sum(a["cached"] > 0 for a in answers)
-            say(f"  after {i} kills: {len(kv_files(kv))} files, corrupt/orphan so far {corrupt}, "
+            say(
+                f"  after {i} kills: {len(kv_files(kv))} files, corrupt/orphan so far {corrupt}, "
                 f"answers checked {checked}, mismatches {mismatches}, "
-                f"{time.monotonic() - t0:.0f} s")
-    say(f"1. kill -9 during saves: {kills} kills; files found corrupt, misnamed or orphaned "
+                f"{time.monotonic() - t0:.0f} s"
+            )
+    say(
+        f"1. kill -9 during saves: {kills} kills; files found corrupt, misnamed or orphaned "
         f"after a kill: {corrupt}; answers checked against no cache: {checked}, identical "
-        f"{checked - mismatches} ({restored} of them restored from disk)")
+        f"{checked - mismatches} ({restored} of them restored from disk)"
+    )
 
 
-def soak(model: str, work: str, minutes: float, budget_mb: int, say,
-         dirs: tuple[str, str] | None = None) -> None:
+def soak(
+    model: str, work: str, minutes: float, budget_mb: int, say, dirs: tuple[str, str] | None = None
+) -> None:
     """``dirs``: one directory as each engine sees it (two mounts of a shared volume);
     None: one local directory for both."""
     kv = os.path.join(work, "soak-kv")
@@ -135,8 +147,10 @@ def soak(model: str, work: str, minutes: float, budget_mb: int, say,
     kv = kv_dirs[0]
     seeds, count = (200, 201), 10_000
     outs = [os.path.join(work, f"soak-{s}.json") for s in seeds]
-    procs = [child(model, d, out, s, count, kv_disk_space_mb=budget_mb, kv_disk_min_free_mb=0)
-             for d, s, out in zip(kv_dirs, seeds, outs)]
+    procs = [
+        child(model, d, out, s, count, kv_disk_space_mb=budget_mb, kv_disk_min_free_mb=0)
+        for d, s, out in zip(kv_dirs, seeds, outs)
+    ]
     peak, samples, t_end = 0, 0, time.monotonic() + minutes * 60
     while time.monotonic() < t_end and all(p.poll() is None for p in procs):
         total = 0
@@ -152,19 +166,28 @@ def soak(model: str, work: str, minutes: float, budget_mb: int, say,
     answered = [json.load(open(o)) for o in outs]
     n = [len(a) for a in answered]
     refs = references(model, dict(zip(seeds, n)))
-    bad = sum(not (a["first"] == a["again"] == r)
-              for s, answers in zip(seeds, answered) for a, r in zip(answers, refs[s]))
+    bad = sum(
+        not (a["first"] == a["again"] == r)
+        for s, answers in zip(seeds, answered)
+        for a, r in zip(answers, refs[s])
+    )
     store = Store(kv, space_bytes=budget_mb << 20, readonly=True)
     report = verify(store)
-    where = ("one local directory" if dirs is None else
-             f"one directory through two mounts ({kv_dirs[0]}, {kv_dirs[1]})")
-    say(f"2. two engines, {where}, budget {budget_mb} MiB, {minutes:g} min: "
+    where = (
+        "one local directory"
+        if dirs is None
+        else f"one directory through two mounts ({kv_dirs[0]}, {kv_dirs[1]})"
+    )
+    say(
+        f"2. two engines, {where}, budget {budget_mb} MiB, {minutes:g} min: "
         f"{sum(n)} prompts answered twice ({n[0]} + {n[1]}), peak on disk "
         f"{peak / 2**20:.1f} MiB over {samples} samples (budget {budget_mb} MiB, "
-        f"peak/budget {peak / (budget_mb << 20):.2f}), at the end {store.index.total_bytes / 2**20:.1f} "
+        f"peak/budget {peak / (budget_mb << 20):.2f}), "
+        f"at the end {store.index.total_bytes / 2**20:.1f} "
         f"MiB in {len(store.index)} files; verify: {len(report.problems)} problem(s) "
         f"{sorted({p.kind for p in report.problems})}; answers "
-        f"different from no cache: {bad}")
+        f"different from no cache: {bad}"
+    )
     for p in report.problems:
         say(f"   verify: {p.kind} {p.ns}/{p.sha1}: {p.detail}")
 
@@ -189,11 +212,18 @@ def main() -> None:
     ap.add_argument("--soak-minutes", type=float, default=5.0)
     ap.add_argument("--budget-mb", type=int, default=12)
     where = ap.add_mutually_exclusive_group()
-    where.add_argument("--soak-dirs", nargs=2, metavar=("A", "B"),
-                       help="part 2 on one directory seen through two mounts of a shared "
-                            "volume (one engine on each)")
-    where.add_argument("--gluster", action="store_true",
-                       help="part 2 on a GlusterFS volume made here and mounted twice")
+    where.add_argument(
+        "--soak-dirs",
+        nargs=2,
+        metavar=("A", "B"),
+        help="part 2 on one directory seen through two mounts of a shared "
+        "volume (one engine on each)",
+    )
+    where.add_argument(
+        "--gluster",
+        action="store_true",
+        help="part 2 on a GlusterFS volume made here and mounted twice",
+    )
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "fault_soak.txt"))
     args = ap.parse_args()
     lines: list[str] = []
@@ -212,10 +242,17 @@ def main() -> None:
         if args.soak_minutes:
             with soak_dirs(args, work) as dirs:
                 soak(model, work, args.soak_minutes, args.budget_mb, say, dirs)
-        where = (" --gluster" if args.gluster else
-                 f" --soak-dirs {' '.join(args.soak_dirs)}" if args.soak_dirs else "")
-        say(f"command: python benchmarks/fault_soak.py --kills {args.kills} "
-            f"--soak-minutes {args.soak_minutes:g} --budget-mb {args.budget_mb}{where}")
+        where = (
+            " --gluster"
+            if args.gluster
+            else f" --soak-dirs {' '.join(args.soak_dirs)}"
+            if args.soak_dirs
+            else ""
+        )
+        say(
+            f"command: python benchmarks/fault_soak.py --kills {args.kills} "
+            f"--soak-minutes {args.soak_minutes:g} --budget-mb {args.budget_mb}{where}"
+        )
         pathlib.Path(args.out).write_text("\n".join(lines) + "\n")
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -56,20 +56,30 @@ def main() -> int:
     same = [t[1] for t in disk] == [t[1] for t in warm] and reply == warm_reply
     warm_cached, disk_cached = sum(t[2] for t in warm), sum(t[2] for t in disk)
     nbytes = disk_bytes(kv)
-    print(f"tiny Qwen3-Next (bf16, 2 Gated-DeltaNet + 2 full-attention layers, block {BLOCK}), "
-          f"{TURNS} turns of +{USER_TOKENS} user +{REPLY_TOKENS} reply tokens, last prompt "
-          f"{len(last)} tokens")
-    print(f"cached tokens per turn, warm (vLLM prefix cache): {[t[2] for t in warm]}; "
-          f"disk (device emptied before every turn): {[t[2] for t in disk]}")
-    print(f"cached/warm {disk_cached / max(1, warm_cached):.2f} overall, "
-          f"{restart / max(1, warm_restart):.2f} on the first turn after a restart "
-          f"({restart} of {warm_restart} tokens)")
+    print(
+        f"tiny Qwen3-Next (bf16, 2 Gated-DeltaNet + 2 full-attention layers, block {BLOCK}), "
+        f"{TURNS} turns of +{USER_TOKENS} user +{REPLY_TOKENS} reply tokens, last prompt "
+        f"{len(last)} tokens"
+    )
+    print(
+        f"cached tokens per turn, warm (vLLM prefix cache): {[t[2] for t in warm]}; "
+        f"disk (device emptied before every turn): {[t[2] for t in disk]}"
+    )
+    print(
+        f"cached/warm {disk_cached / max(1, warm_cached):.2f} overall, "
+        f"{restart / max(1, warm_restart):.2f} on the first turn after a restart "
+        f"({restart} of {warm_restart} tokens)"
+    )
     print(f"replies equal to the warm run's, every turn and after the restart: {same}")
-    print(f"{nbytes} bytes on disk, {nbytes / max(1, restart):.0f} bytes per cached token "
-          f"(attention: 2 layers x 512 B per token; states: one page of 320 KiB per "
-          f"Gated-DeltaNet layer per checkpoint, {TURNS} checkpoints)")
-    print(f"TTFT disk restore / device hit {statistics.median(ratios):.2f} "
-          f"(runs {', '.join(f'{r:.2f}' for r in ratios)})")
+    print(
+        f"{nbytes} bytes on disk, {nbytes / max(1, restart):.0f} bytes per cached token "
+        f"(attention: 2 layers x 512 B per token; states: one page of 320 KiB per "
+        f"Gated-DeltaNet layer per checkpoint, {TURNS} checkpoints)"
+    )
+    print(
+        f"TTFT disk restore / device hit {statistics.median(ratios):.2f} "
+        f"(runs {', '.join(f'{r:.2f}' for r in ratios)})"
+    )
     return 0 if same else 1
 
 

@@ -12,7 +12,8 @@ message) three ways, side by side in one run:
 
 Prints cached / warm (overall, and the first turn after the restart), disk bytes per
 cached token, the ratio on vs off, and the time to the first token of the last prompt
-restored from disk over a device-cache hit of it (median of 3, in the restarted engine). Run: ``python benchmarks/hybrid_window.py``
+restored from disk over a device-cache hit of it (median of 3, in the restarted engine).
+Run: ``python benchmarks/hybrid_window.py``
 (starts five engines; about a minute on two cores).
 """
 
@@ -35,8 +36,9 @@ TURNS, USER_TOKENS, REPLY_TOKENS = 6, 400, 32
 CFG = {"kv_cache_min_tokens": 128, "kv_disk_load_policy": "always"}
 
 
-def conversation(llm, reset, turns: int = TURNS, user_tokens: int = USER_TOKENS,
-                 seed: int = 100) -> list[tuple[list[int], list[int], int]]:
+def conversation(
+    llm, reset, turns: int = TURNS, user_tokens: int = USER_TOKENS, seed: int = 100
+) -> list[tuple[list[int], list[int], int]]:
     """(prompt, reply, cached) per turn; ``reset`` empties the device cache first."""
     prompt, out = [], []
     for turn in range(turns):
@@ -67,8 +69,9 @@ def ttft(llm, prompt: list[int]) -> float:
     return time.perf_counter() - started
 
 
-def restarted(model: str, kv: str, llm_args: dict,
-              prompt: list[int]) -> tuple[list[int], int, list[float]]:
+def restarted(
+    model: str, kv: str, llm_args: dict, prompt: list[int]
+) -> tuple[list[int], int, list[float]]:
     """A restarted engine on ``kv``: its reply to ``prompt`` and the tokens it cached, then
     the time to the first token of ``prompt`` restored from disk over a device-cache hit
     of it, three times."""
@@ -100,27 +103,37 @@ def main() -> int:
         warm_restart = generate(llm, warm[-1][0], max_tokens=REPLY_TOKENS)[1]
     rows = {}
     for hma in (True, False):
-        turns, cached_restart, nbytes, slower = run_disk(model, os.path.join(root, f"kv-{hma}"),
-                                                         hma)
+        turns, cached_restart, nbytes, slower = run_disk(
+            model, os.path.join(root, f"kv-{hma}"), hma
+        )
         if [t[1] for t in turns] != [t[1] for t in warm]:
             raise SystemExit(f"hybrid manager {'on' if hma else 'off'}: replies differ from warm")
         cached = sum(t[2] for t in turns)
         rows[hma] = (cached, cached_restart, nbytes, slower)
     warm_cached = sum(t[2] for t in warm)
     covered = len(warm[-1][0]) // 128 * 128
-    print(f"tiny Gemma 3, window {GEMMA3_WINDOW}, {TURNS} turns of +{USER_TOKENS} user "
-          f"+{REPLY_TOKENS} reply tokens, last prompt {len(warm[-1][0])} tokens")
-    print(f"warm (vLLM prefix cache): {warm_cached} cached tokens over the turns, "
-          f"{warm_restart} on the last turn replayed")
+    print(
+        f"tiny Gemma 3, window {GEMMA3_WINDOW}, {TURNS} turns of +{USER_TOKENS} user "
+        f"+{REPLY_TOKENS} reply tokens, last prompt {len(warm[-1][0])} tokens"
+    )
+    print(
+        f"warm (vLLM prefix cache): {warm_cached} cached tokens over the turns, "
+        f"{warm_restart} on the last turn replayed"
+    )
     for hma, (cached, restart, nbytes, slower) in rows.items():
-        print(f"disk, hybrid manager {'on ' if hma else 'off'}: cached/warm {cached / warm_cached:.2f} "
-              f"overall, {restart / warm_restart:.2f} on the first turn after a restart; "
-              f"{nbytes} bytes on disk, {nbytes / max(1, restart):.0f} bytes per cached token; "
-              f"TTFT disk restore / device hit {slower:.2f}")
+        print(
+            f"disk, hybrid manager {'on ' if hma else 'off'}: "
+            f"cached/warm {cached / warm_cached:.2f} "
+            f"overall, {restart / warm_restart:.2f} on the first turn after a restart; "
+            f"{nbytes} bytes on disk, {nbytes / max(1, restart):.0f} bytes per cached token; "
+            f"TTFT disk restore / device hit {slower:.2f}"
+        )
     on, off = rows[True][2] / max(1, rows[True][1]), rows[False][2] / max(1, rows[False][1])
-    print(f"disk bytes per cached token, window groups at window length / every layer at full "
-          f"length: {on / off:.2f} (1 of 3 layers is full attention: {1 / 3:.2f} plus a "
-          f"window per checkpoint; prompt covered {covered} tokens)")
+    print(
+        f"disk bytes per cached token, window groups at window length / every layer at full "
+        f"length: {on / off:.2f} (1 of 3 layers is full attention: {1 / 3:.2f} plus a "
+        f"window per checkpoint; prompt covered {covered} tokens)"
+    )
     return 0
 
 

@@ -56,8 +56,8 @@ class TokenBucket:
 
 def throttle_reads(bucket: TokenBucket | None) -> None:
     """Make the restore path's layer reads wait on ``bucket``; None undoes it."""
-    import vllm_kvdisk.storage.fileread as fmt
     import vllm_kvdisk.connector.restore as restore_mod
+    import vllm_kvdisk.storage.fileread as fmt
 
     if bucket is None:
         restore_mod.read_layer_into = fmt.read_layer_into
@@ -99,7 +99,9 @@ def main() -> None:
     ap.add_argument("--slow-mbps", type=float, default=5.0)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "policy_bench.txt"))
+    ap.add_argument(
+        "--out", default=str(pathlib.Path(__file__).parent / "results" / "policy_bench.txt")
+    )
     args = ap.parse_args()
     lines: list[str] = []
 
@@ -117,18 +119,24 @@ def main() -> None:
     try:
         model = str(build_tiny_model(os.path.join(work, "model"), shape=shape))
         kv = os.path.join(work, "kv")
-        writer = make_llm(model, kv, trace=os.path.join(work, "writer.trace"),
-                          kv_disk_load_policy="always")
+        writer = make_llm(
+            model, kv, trace=os.path.join(work, "writer.trace"), kv_disk_load_policy="always"
+        )
         cold = [first_token(writer, p)[0] for p in prompts]
         close(writer)
-        disk_mb = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(kv)
-                      for f in fs) / 1e6
-        say(f"model {shape}: {kv_per_token // 1024} KiB of KV per token (fp32); "
-              f"{args.requests} prompts of {args.prompt_tokens} tokens, {disk_mb:.0f} MB on disk; "
-              f"cold prefill median {statistics.median(cold) * 1e3:.0f} ms")
+        disk_mb = (
+            sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(kv) for f in fs) / 1e6
+        )
+        say(
+            f"model {shape}: {kv_per_token // 1024} KiB of KV per token (fp32); "
+            f"{args.requests} prompts of {args.prompt_tokens} tokens, {disk_mb:.0f} MB on disk; "
+            f"cold prefill median {statistics.median(cold) * 1e3:.0f} ms"
+        )
         rows, answers = [], {}
-        for store, bucket in (("fast", None), (f"slow {args.slow_mbps:g} MB/s",
-                                               TokenBucket(args.slow_mbps * 1e6))):
+        for store, bucket in (
+            ("fast", None),
+            (f"slow {args.slow_mbps:g} MB/s", TokenBucket(args.slow_mbps * 1e6)),
+        ):
             for policy in ("always", "auto", "auto", "always"):  # ABBA: drift hits both alike
                 throttle_reads(bucket)
                 trace = os.path.join(work, f"{store.split()[0]}-{policy}-{len(rows)}.trace")
@@ -144,22 +152,30 @@ def main() -> None:
                 throttle_reads(None)
                 answers[(store, policy, len(rows))] = tokens
                 rows.append((store, policy, ttfts, cached, declined(trace)))
-        say(f"{'store':<16}{'policy':<8}{'TTFT per request (ms)':<36}{'total':>8}"
-              f"{'tokens loaded':>15}{'declined':>10}")
+        say(
+            f"{'store':<16}{'policy':<8}{'TTFT per request (ms)':<36}{'total':>8}"
+            f"{'tokens loaded':>15}{'declined':>10}"
+        )
         totals: dict[tuple[str, str], float] = {}
         for store, policy, ttfts, cached, n_declined in rows:
             per = " ".join(f"{t * 1e3:.0f}" for t in ttfts)
             totals[(store, policy)] = totals.get((store, policy), 0.0) + sum(ttfts)
-            say(f"{store:<16}{policy:<8}{per:<36}{sum(ttfts) * 1e3:8.0f}{sum(cached):>15}"
-                  f"{n_declined:>10}")
+            say(
+                f"{store:<16}{policy:<8}{per:<36}{sum(ttfts) * 1e3:8.0f}{sum(cached):>15}"
+                f"{n_declined:>10}"
+            )
         for store in dict.fromkeys(s for s, _ in totals):
             ratio = totals[(store, "always")] / totals[(store, "auto")]
-            say(f"{store}: always/auto total TTFT over both runs = {ratio:.2f} "
-                  f"({'auto faster' if ratio > 1.05 else 'tie' if ratio > 0.95 else 'auto slower'})")
+            say(
+                f"{store}: always/auto total TTFT over both runs = {ratio:.2f} "
+                f"({'auto faster' if ratio > 1.05 else 'tie' if ratio > 0.95 else 'auto slower'})"
+            )
         same = len({tuple(v) for v in answers.values()}) == 1
         say(f"first tokens identical across all configurations: {same}")
-        say(f"command: python benchmarks/policy_bench.py --prompt-tokens {args.prompt_tokens} "
-            f"--requests {args.requests} --slow-mbps {args.slow_mbps:g}")
+        say(
+            f"command: python benchmarks/policy_bench.py --prompt-tokens {args.prompt_tokens} "
+            f"--requests {args.requests} --slow-mbps {args.slow_mbps:g}"
+        )
         pathlib.Path(args.out).write_text("\n".join(lines) + "\n")
         if not same:
             raise SystemExit("token mismatch between configurations")

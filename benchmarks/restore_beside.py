@@ -37,8 +37,11 @@ def main() -> None:
 
     work = tempfile.mkdtemp(prefix="kvdisk-restore-beside-")
     try:
-        model = str(build_tiny_model(os.path.join(work, "model"),
-                                     shape=model_shape(args.hidden, args.layers)))
+        model = str(
+            build_tiny_model(
+                os.path.join(work, "model"), shape=model_shape(args.hidden, args.layers)
+            )
+        )
         kv, trace_path = os.path.join(work, "kv"), os.path.join(work, "trace.log")
         prompt = np.random.default_rng(0).integers(10, 4000, args.tokens).tolist()
         first = make_llm(model, kv)
@@ -62,11 +65,15 @@ def main() -> None:
         pool.shutdown()
         if not rounds:
             raise SystemExit("no restore was traced")
-        print(f"{args.tokens} tokens, {rounds[0][3]} file(s), {args.rounds} restores from the "
-              f"page cache: raw/restore median {statistics.median(r[0] for r in rounds):.2f} "
-              "(target >= 0.9)")
-        print("   rounds (raw/restore, restore ms, raw ms): " + ", ".join(
-            f"{q:.2f} {s * 1e3:.0f} {r * 1e3:.0f}" for q, s, r, _ in rounds))
+        print(
+            f"{args.tokens} tokens, {rounds[0][3]} file(s), {args.rounds} restores from the "
+            f"page cache: raw/restore median {statistics.median(r[0] for r in rounds):.2f} "
+            "(target >= 0.9)"
+        )
+        print(
+            "   rounds (raw/restore, restore ms, raw ms): "
+            + ", ".join(f"{q:.2f} {s * 1e3:.0f} {r * 1e3:.0f}" for q, s, r, _ in rounds)
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -37,14 +37,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator
 
 import numpy as np
-
 from core_index import FP, LAYOUT, make_files
-from vllm_kvdisk.core.format import Reason
+
 from vllm_kvdisk.core.encode import encode_plan
+from vllm_kvdisk.core.format import Reason
 from vllm_kvdisk.core.planner import Planner, Prompt, SavePlan
 from vllm_kvdisk.core.tokens import TokenTable
 from vllm_kvdisk.storage.store import Store
@@ -67,8 +67,10 @@ def copy_tree(src: str, dst: str, threads: int = 16) -> float:
     for ns in os.listdir(src):
         if os.path.isdir(os.path.join(src, ns)):
             os.makedirs(os.path.join(dst, ns), exist_ok=True)
-            jobs += [(os.path.join(src, ns, n), os.path.join(dst, ns, n))
-                     for n in os.listdir(os.path.join(src, ns))]
+            jobs += [
+                (os.path.join(src, ns, n), os.path.join(dst, ns, n))
+                for n in os.listdir(os.path.join(src, ns))
+            ]
 
     def cp(pair: tuple[str, str]) -> None:
         with open(pair[0], "rb") as fh:
@@ -92,9 +94,17 @@ def one_file(store: Store, ns: str, seed: int) -> str:
     fsync, the lock, the rename)."""
     prompt = Prompt(table(), np.random.default_rng(10_000 + seed).integers(0, 256, 200))
     plan = SavePlan(ns, prompt.sha1_at(128), 128, None, 0, Reason.COLD)
-    enc = encode_plan(plan, text=prompt.text_upto(128), ids=prompt.ids,
-                      layers=[bytes(LAYOUT.page_bytes)], layout=LAYOUT, fingerprint=FP.digest(),
-                      kv_dtype="float32", context_size=8192, now=1_700_000_000)
+    enc = encode_plan(
+        plan,
+        text=prompt.text_upto(128),
+        ids=prompt.ids,
+        layers=[bytes(LAYOUT.page_bytes)],
+        layout=LAYOUT,
+        fingerprint=FP.digest(),
+        kv_dtype="float32",
+        context_size=8192,
+        now=1_700_000_000,
+    )
     store.write(ns, plan.sha1, enc)
     return plan.sha1
 
@@ -130,15 +140,16 @@ def measure(root: str, other: str, n: int) -> dict[str, float]:
     out["listing after a start (background)"] = timed(store.scanner.reconcile)
     ns = store.namespaces()[0]
     out["refresh, nothing changed"] = statistics.median(
-        timed(lambda: store.refresh(ns)) for _ in range(20))
+        timed(lambda: store.refresh(ns)) for _ in range(20)
+    )
     writer = Store(root, space_bytes=1 << 50)
     if not writer.scanner.start():
         raise SystemExit("the writer did not start from the journal")
-    out["refresh after another client's save"] = wait_refresh(store, ns,
-                                                               one_file(writer, ns, 0))
+    out["refresh after another client's save"] = wait_refresh(store, ns, one_file(writer, ns, 0))
     one_file(store, ns, 1)
     out["save, nothing changed since"] = statistics.median(
-        timed(lambda i=i: one_file(store, ns, 10 + i)) for i in range(5))
+        timed(lambda i=i: one_file(store, ns, 10 + i)) for i in range(5)
+    )
     one_file(writer, ns, 2)
     out["save after another client's save"] = timed(lambda: one_file(store, ns, 3))
     full = store.index.total_bytes
@@ -151,33 +162,58 @@ def measure(root: str, other: str, n: int) -> dict[str, float]:
     if whole.tokens != 256 or len(whole.segments) != 2:
         raise SystemExit(f"lookup found {whole.tokens} tokens in {len(whole.segments)} files")
     out["lookup, chain used whole"] = statistics.median(
-        timed(lambda: planner.lookup(ns, ids, len(ids) - 1)) for _ in range(20))
+        timed(lambda: planner.lookup(ns, ids, len(ids) - 1)) for _ in range(20)
+    )
     fresh = Store(other, space_bytes=1 << 50)  # a lookup that uses a file partly reads
-    fresh.scanner.start()                       # its stored ids, once: at first sight
+    fresh.scanner.start()  # its stored ids, once: at first sight
     entry = fresh.index.get(ns, whole.segments[-1].entry.sha1)
-    out["stored ids of a file, first sight"] = timed(
-        lambda: fresh.read_ids(entry, 0, entry.tokens))
+    out["stored ids of a file, first sight"] = timed(lambda: fresh.read_ids(entry, 0, entry.tokens))
     return out
 
 
 def io_numbers(directory: str, args: argparse.Namespace) -> dict[str, float]:
     """io_bench.py on ``directory``: restore/limit warm and cold, save/limit, and GB/s."""
-    cmd = [sys.executable, os.path.join(HERE, "io_bench.py"), "--tokens", str(args.io_tokens),
-           "--layers", "8", "--repeat", "3", "--chain-files", "4", "--turns", "8"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                          env={**os.environ, "KVDISK_BENCH_DIR": directory})
+    cmd = [
+        sys.executable,
+        os.path.join(HERE, "io_bench.py"),
+        "--tokens",
+        str(args.io_tokens),
+        "--layers",
+        "8",
+        "--repeat",
+        "3",
+        "--chain-files",
+        "4",
+        "--turns",
+        "8",
+    ]
+    done = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env={**os.environ, "KVDISK_BENCH_DIR": directory},
+    )
     if done.returncode != 0:
         raise SystemExit(f"io_bench on {directory} failed:\n{done.stdout}\n{done.stderr}")
     text = done.stdout
     out: dict[str, float] = {}
     for label, key in (("page cache", "warm"), ("cold", "cold")):
-        m = re.search(rf"restore, {label}.*?restore\s+[\d.]+ ms\s+([\d.]+) GB/s.*?"
-                      rf"restore/limit \(([^)]*)\) ([\d.]+)", text, re.S)
+        m = re.search(
+            rf"restore, {label}.*?restore\s+[\d.]+ ms\s+([\d.]+) GB/s.*?"
+            rf"restore/limit \(([^)]*)\) ([\d.]+)",
+            text,
+            re.S,
+        )
         if m:
             out[f"restore GB/s, {key}"] = float(m.group(1))
             out[f"restore / plain read, {key}"] = float(m.group(3))
-    m = re.search(r"save \(write\+fsync\):\s+[\d.]+ ms\s+([\d.]+) GB/s.*?raw writev\+fsync\s+"
-                  r"[\d.]+ ms\s+([\d.]+) GB/s.*?save/limit.*?([\d.]+)\s*$", text, re.M)
+    m = re.search(
+        r"save \(write\+fsync\):\s+[\d.]+ ms\s+([\d.]+) GB/s.*?raw writev\+fsync\s+"
+        r"[\d.]+ ms\s+([\d.]+) GB/s.*?save/limit.*?([\d.]+)\s*$",
+        text,
+        re.M,
+    )
     if m:
         out["save GB/s"], out["plain write+fsync GB/s"] = float(m.group(1)), float(m.group(2))
         out["save / plain write"] = float(m.group(3))
@@ -190,8 +226,10 @@ def show(title: str, local: dict[str, float], shared: dict[str, float], unit: st
     for key in local:
         a, b = local[key], shared.get(key, float("nan"))
         scale = 1e3 if unit == "ms" else 1.0
-        print(f"  {key:46} {a * scale:10.3f}{unit:>2} {b * scale:10.3f}{unit:>2} "
-              f"{b / a if a else float('nan'):12.2f}x")
+        print(
+            f"  {key:46} {a * scale:10.3f}{unit:>2} {b * scale:10.3f}{unit:>2} "
+            f"{b / a if a else float('nan'):12.2f}x"
+        )
 
 
 @contextlib.contextmanager
@@ -204,8 +242,10 @@ def directories(args: argparse.Namespace) -> Iterator[tuple[str, str, str]]:
     local = tempfile.mkdtemp(prefix="kvdisk-bench-local-")
     try:
         with gluster.volume(base) as vol:
-            print(f"GlusterFS volume up in {vol.timings['setup_s']:.1f} s "
-                  f"({'its own glusterd' if vol.own_glusterd else 'a running glusterd'})")
+            print(
+                f"GlusterFS volume up in {vol.timings['setup_s']:.1f} s "
+                f"({'its own glusterd' if vol.own_glusterd else 'a running glusterd'})"
+            )
             yield local, vol.mounts[0], vol.mounts[1]
     finally:
         shutil.rmtree(local, ignore_errors=True)
@@ -226,20 +266,31 @@ def main() -> None:
             written = make_files(src, n, TEXT_BYTES)
             made = time.perf_counter() - t0
             copied = copy_tree(src, os.path.join(mount_a, sub))
-            print(f"\n{written} files ({TEXT_BYTES} bytes of text each, half roots, half "
-                  f"deltas): written locally in {made:.1f} s, copied to the volume in "
-                  f"{copied:.1f} s (16 threads)")
+            print(
+                f"\n{written} files ({TEXT_BYTES} bytes of text each, half roots, half "
+                f"deltas): written locally in {made:.1f} s, copied to the volume in "
+                f"{copied:.1f} s (16 threads)"
+            )
             loc = measure(src, src, written)
             vol = measure(os.path.join(mount_a, sub), os.path.join(mount_b, sub), written)
-            show(f"{written} files: local disk against the volume (through the other mount)",
-                 loc, vol, "ms")
+            show(
+                f"{written} files: local disk against the volume (through the other mount)",
+                loc,
+                vol,
+                "ms",
+            )
             shutil.rmtree(src, ignore_errors=True)
         if args.io:
             loc = io_numbers(local, args)
             vol = io_numbers(mount_a, args)
-            show(f"save and restore, {args.io_tokens} tokens x 8 layers (io_bench.py; here "
-                 "higher is better: GB/s, and the path against a plain read or write of the "
-                 "same bytes on the same directory)", loc, vol, "")
+            show(
+                f"save and restore, {args.io_tokens} tokens x 8 layers (io_bench.py; here "
+                "higher is better: GB/s, and the path against a plain read or write of the "
+                "same bytes on the same directory)",
+                loc,
+                vol,
+                "",
+            )
 
 
 if __name__ == "__main__":

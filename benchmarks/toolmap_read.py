@@ -36,9 +36,14 @@ def reader_now(fd: int, size: int, scope: str) -> int:
 
 
 def write_log(path: str, mib: int) -> tuple[int, int]:
-    record = encode_record("bench", ToolCall(("chatcmpl-tool-0123456789abcdef",),
-                                             "<tool_call>" + "x" * 1500 + "</tool_call>",
-                                             tuple(range(1000, 1250))))
+    record = encode_record(
+        "bench",
+        ToolCall(
+            ("chatcmpl-tool-0123456789abcdef",),
+            "<tool_call>" + "x" * 1500 + "</tool_call>",
+            tuple(range(1000, 1250)),
+        ),
+    )
     count = (mib << 20) // len(record)
     with open(path, "wb") as fh:
         fh.write(record * count)
@@ -64,8 +69,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="64,128,256", help="log sizes in MiB")
     args = ap.parse_args()
-    print(f"{'MiB':>5} {'records':>8} {'before s':>9} {'now s':>7} {'ratio':>6} "
-          f"{'before peak MiB':>16} {'now peak MiB':>13}")
+    print(
+        f"{'MiB':>5} {'records':>8} {'before s':>9} {'now s':>7} {'ratio':>6} "
+        f"{'before peak MiB':>16} {'now peak MiB':>13}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for mib in (int(s) for s in args.sizes.split(",")):
             path = os.path.join(tmp, "log.ktl")
@@ -74,9 +81,11 @@ def main() -> None:
             before_s, before_peak, n_before = measure(reader_before, path, size)
             if n_now != count or n_before != count:
                 raise SystemExit(f"readers disagree: {n_now} / {n_before} of {count}")
-            print(f"{mib:>5} {count:>8} {before_s:>9.2f} {now_s:>7.2f} "
-                  f"{before_s / now_s:>6.1f} {before_peak / 2**20:>16.0f} "
-                  f"{now_peak / 2**20:>13.1f}")
+            print(
+                f"{mib:>5} {count:>8} {before_s:>9.2f} {now_s:>7.2f} "
+                f"{before_s / now_s:>6.1f} {before_peak / 2**20:>16.0f} "
+                f"{now_peak / 2**20:>13.1f}"
+            )
             os.unlink(path)
 
 

@@ -65,16 +65,20 @@ def check(device: str) -> list[str]:
     if device == "cuda":
         extra = torch.cuda.max_memory_allocated() - base
         if extra > transfer.DEVICE_TRANSIENT_BYTES + (1 << 20):
-            failed.append(f"gather took {extra >> 20} MiB of device memory (cap "
-                          f"{transfer.DEVICE_TRANSIENT_BYTES >> 20} MiB)")
+            failed.append(
+                f"gather took {extra >> 20} MiB of device memory (cap "
+                f"{transfer.DEVICE_TRANSIENT_BYTES >> 20} MiB)"
+            )
     want = [t[ids].contiguous().view(torch.uint8).cpu().numpy().tobytes() for t in layers]
     if [o.tobytes() for o in out] != want:
         failed.append("gathered pages differ from the blocks")
     back = list(reversed(ids))
     for i, o in enumerate(out):
         mover.scatter(i, back, o)
-    if any(t[back].contiguous().view(torch.uint8).cpu().numpy().tobytes() != w
-           for t, w in zip(layers, want)):
+    if any(
+        t[back].contiguous().view(torch.uint8).cpu().numpy().tobytes() != w
+        for t, w in zip(layers, want)
+    ):
         failed.append("scattered pages differ from the pages given")
     if device == "cuda":
         # A "forward": long work on the compute stream, then the write a save must see.
@@ -86,8 +90,11 @@ def check(device: str) -> list[str]:
             pool.submit(mover.gather, ids, out, after).result()
         if not (np.frombuffer(out[0], dtype=np.float32) == 7.0).all():
             failed.append("a gather after mark() did not see the forward's writes")
-    checked = ("gather, scatter, stream order and device memory" if device == "cuda" else
-               "gather and scatter (stream order and device memory: on a GPU only)")
+    checked = (
+        "gather, scatter, stream order and device memory"
+        if device == "cuda"
+        else "gather and scatter (stream order and device memory: on a GPU only)"
+    )
     print(f"check {device}: " + ("FAILED: " + "; ".join(failed) if failed else f"{checked} ok"))
     return failed
 
@@ -100,7 +107,9 @@ def run(device: str, args: argparse.Namespace) -> None:
     mover = PageMover(layers, 128, f"{device}:bench")
     rng = np.random.default_rng(0)
     ids = sorted(rng.choice(total, args.blocks, replace=False).tolist())
-    pool = StagingPool(1 << 34, allocate=pinned_buffer) if device == "cuda" else StagingPool(1 << 34)
+    pool = (
+        StagingPool(1 << 34, allocate=pinned_buffer) if device == "cuda" else StagingPool(1 << 34)
+    )
     nbytes = args.blocks * mover.page_bytes
     bufs = [pool.get(nbytes) for _ in range(args.layers)]
     moved = nbytes * args.layers
@@ -118,10 +127,12 @@ def run(device: str, args: argparse.Namespace) -> None:
         host = torch.empty(moved // 4, pin_memory=True)
         d2h = timed(lambda: host.copy_(src, non_blocking=True), args.repeat, sync)
         print(f"cuda: pinned device->host copy {moved / d2h / 1e9:.1f} GB/s")
-    print(f"{device}: {args.layers} layers x {args.blocks} blocks = {moved / 1e6:.0f} MB | "
-          f"gather {moved / gather / 1e9:.2f} GB/s | scatter {moved / scatter_s / 1e9:.2f} GB/s | "
-          f"plain copy {moved / plain / 1e9:.2f} GB/s | gather/plain {plain / gather:.2f}, "
-          f"scatter/plain {plain / scatter_s:.2f}")
+    print(
+        f"{device}: {args.layers} layers x {args.blocks} blocks = {moved / 1e6:.0f} MB | "
+        f"gather {moved / gather / 1e9:.2f} GB/s | scatter {moved / scatter_s / 1e9:.2f} GB/s | "
+        f"plain copy {moved / plain / 1e9:.2f} GB/s | gather/plain {plain / gather:.2f}, "
+        f"scatter/plain {plain / scatter_s:.2f}"
+    )
 
 
 def main() -> None:

@@ -37,16 +37,17 @@ import re
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import helm_python as helm
 import jsonschema
 import kubernetes_validate
 import promql_parser
 import yaml
-
-from monitoring_schemas import DURATION_PATTERN, SCHEMAS as MONITORING_SCHEMAS
+from monitoring_schemas import DURATION_PATTERN
+from monitoring_schemas import SCHEMAS as MONITORING_SCHEMAS
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy/helm/vllm-kvdisk"
@@ -64,47 +65,88 @@ CASES: dict[str, tuple[list[str], dict[str, Any], str | None]] = {
     "rwx": (["values-rwx.yaml"], {}, "ReadWriteMany"),
     # every optional branch on: ServiceMonitor in another namespace with relabelings, the
     # alerts with extra labels, the dashboard ConfigMap in a folder, trace, existing claims...
-    "all-options": (["values-rwx.yaml"], {
-        "serviceMonitor": {
-            "enabled": True, "namespace": "monitoring", "honorLabels": True,
-            "additionalLabels": {"release": "kube-prometheus-stack"},
-            "labels": {"team": "inference"},  # the deprecated spelling still works
-            "interval": "30s", "scrapeTimeout": "25s",
-            "relabelings": [{"sourceLabels": ["__meta_kubernetes_pod_node_name"],
-                             "targetLabel": "node", "action": "replace"}],
-            "metricRelabelings": [{"sourceLabels": ["__name__"], "regex": "vllm:.*",
-                                   "action": "keep"}]},
-        "prometheusRule": {
-            "enabled": True, "namespace": "monitoring",
-            "additionalLabels": {"release": "kube-prometheus-stack"},
-            "labels": {"team": "inference", "severity": "ignored"},
-            "annotations": {"dashboard": "https://grafana.example.com/d/vllm-kvdisk",
-                            "summary": "ignored: the chart's own"},
-            "runbookUrl": "https://runbooks.example.com/vllm-kvdisk"},
-        "grafana": {"dashboards": {"enabled": True, "namespace": "monitoring", "folder": "LLM",
-                                   "annotations": {"example.com/owner": "inference"}}},
-        "kvdisk": {"trace": {"enabled": True}, "extraArgs": ["--kv-cache-min-tokens", 1024]},
-        "persistence": {"existingClaim": "shared-kvdisk"},
-        "modelCache": {"existingClaim": "model-weights"},
-        "model": {"servedModelName": "qwen-7b"},
-        "gpu": {"count": 2},
-        "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}],
-        "imagePullSecrets": [{"name": "regcred"}],
-        "podAnnotations": {"example.com/team": "inference"},
-        "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
-    }, None),
+    "all-options": (
+        ["values-rwx.yaml"],
+        {
+            "serviceMonitor": {
+                "enabled": True,
+                "namespace": "monitoring",
+                "honorLabels": True,
+                "additionalLabels": {"release": "kube-prometheus-stack"},
+                "labels": {"team": "inference"},  # the deprecated spelling still works
+                "interval": "30s",
+                "scrapeTimeout": "25s",
+                "relabelings": [
+                    {
+                        "sourceLabels": ["__meta_kubernetes_pod_node_name"],
+                        "targetLabel": "node",
+                        "action": "replace",
+                    }
+                ],
+                "metricRelabelings": [
+                    {"sourceLabels": ["__name__"], "regex": "vllm:.*", "action": "keep"}
+                ],
+            },
+            "prometheusRule": {
+                "enabled": True,
+                "namespace": "monitoring",
+                "additionalLabels": {"release": "kube-prometheus-stack"},
+                "labels": {"team": "inference", "severity": "ignored"},
+                "annotations": {
+                    "dashboard": "https://grafana.example.com/d/vllm-kvdisk",
+                    "summary": "ignored: the chart's own",
+                },
+                "runbookUrl": "https://runbooks.example.com/vllm-kvdisk",
+            },
+            "grafana": {
+                "dashboards": {
+                    "enabled": True,
+                    "namespace": "monitoring",
+                    "folder": "LLM",
+                    "annotations": {"example.com/owner": "inference"},
+                }
+            },
+            "kvdisk": {"trace": {"enabled": True}, "extraArgs": ["--kv-cache-min-tokens", 1024]},
+            "persistence": {"existingClaim": "shared-kvdisk"},
+            "modelCache": {"existingClaim": "model-weights"},
+            "model": {"servedModelName": "qwen-7b"},
+            "gpu": {"count": 2},
+            "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}],
+            "imagePullSecrets": [{"name": "regcred"}],
+            "podAnnotations": {"example.com/team": "inference"},
+            "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+        },
+        None,
+    ),
     # the PodMonitor alternative, alerts grouped and selected differently, some alerts off,
     # a sidecar watching another label
-    "podmonitor": ([], {
-        "podMonitor": {"enabled": True, "additionalLabels": {"release": "prom"},
-                       "relabelings": [{"targetLabel": "cluster", "replacement": "gpu-1"}]},
-        "prometheusRule": {"enabled": True, "groupBy": ["cluster", "namespace", "model_name"],
-                           "selector": 'job="inference/kv-vllm-kvdisk"',
-                           "alerts": {"quarantinedFiles": {"enabled": False},
-                                      "hitRateCollapsed": {"ratio": 0.3, "for": "1h"}}},
-        "grafana": {"dashboards": {"enabled": True, "label": "example.com/dashboard",
-                                   "labelValue": "kvdisk"}},
-    }, "ReadWriteOnce"),
+    "podmonitor": (
+        [],
+        {
+            "podMonitor": {
+                "enabled": True,
+                "additionalLabels": {"release": "prom"},
+                "relabelings": [{"targetLabel": "cluster", "replacement": "gpu-1"}],
+            },
+            "prometheusRule": {
+                "enabled": True,
+                "groupBy": ["cluster", "namespace", "model_name"],
+                "selector": 'job="inference/kv-vllm-kvdisk"',
+                "alerts": {
+                    "quarantinedFiles": {"enabled": False},
+                    "hitRateCollapsed": {"ratio": 0.3, "for": "1h"},
+                },
+            },
+            "grafana": {
+                "dashboards": {
+                    "enabled": True,
+                    "label": "example.com/dashboard",
+                    "labelValue": "kvdisk",
+                }
+            },
+        },
+        "ReadWriteOnce",
+    ),
 }
 # values the chart must refuse, by its values.schema.json or its template guards
 BAD_VALUES = {
@@ -117,12 +159,19 @@ BAD_VALUES = {
     "budget as a quantity string": {"kvdisk": {"spaceMb": "200Gi"}},
     "relative cache directory": {"kvdisk": {"dir": "kvdisk"}},
     "unknown access mode": {"persistence": {"accessModes": ["ReadWriteAll"]}},
-    "scrape interval not a duration": {"serviceMonitor": {"enabled": True,
-                                                          "interval": "15 seconds"}},
-    "relabeling with an unknown action": {"serviceMonitor": {"enabled": True, "relabelings": [
-        {"sourceLabels": ["__name__"], "action": "rename"}]}},
-    "ServiceMonitor and PodMonitor both": {"serviceMonitor": {"enabled": True},
-                                           "podMonitor": {"enabled": True}},
+    "scrape interval not a duration": {
+        "serviceMonitor": {"enabled": True, "interval": "15 seconds"}
+    },
+    "relabeling with an unknown action": {
+        "serviceMonitor": {
+            "enabled": True,
+            "relabelings": [{"sourceLabels": ["__name__"], "action": "rename"}],
+        }
+    },
+    "ServiceMonitor and PodMonitor both": {
+        "serviceMonitor": {"enabled": True},
+        "podMonitor": {"enabled": True},
+    },
     "alert ratio above 1": {"prometheusRule": {"alerts": {"hitRateCollapsed": {"ratio": 1.5}}}},
     "alert window not a duration": {"prometheusRule": {"alerts": {"saveFailures": {"window": 15}}}},
     "empty sidecar label": {"grafana": {"dashboards": {"enabled": True, "label": ""}}},
@@ -139,8 +188,19 @@ def seconds(duration: str) -> float:
 
 
 def mebibytes(quantity: str) -> float:
-    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "k": 1e3, "M": 1e6,
-             "G": 1e9, "T": 1e12, "P": 1e15, "": 1}
+    units = {
+        "Ki": 2**10,
+        "Mi": 2**20,
+        "Gi": 2**30,
+        "Ti": 2**40,
+        "Pi": 2**50,
+        "k": 1e3,
+        "M": 1e6,
+        "G": 1e9,
+        "T": 1e12,
+        "P": 1e15,
+        "": 1,
+    }
     number, unit = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(quantity)).groups()
     return float(number) * units[unit] / 2**20
 
@@ -151,16 +211,18 @@ def exported_metrics() -> set[str]:
     tree = ast.parse((ROOT / "vllm_kvdisk/ops/metricdefs.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id == "METRICS" for t in node.targets):
+            isinstance(t, ast.Name) and t.id == "METRICS" for t in node.targets
+        ):
             metrics = ast.literal_eval(node.value)
             break
     else:
         raise RuntimeError("vllm_kvdisk/ops/metricdefs.py has no METRICS")
     # Prometheus adds _total to counters (metricdefs.exported_name).
-    names = {f"vllm:kvdisk_{name}" + ("_total" if kind == "counter" else "")
-             for name, kind, *_ in metrics}
-    return names | {"vllm:prompt_tokens_cached_by_source_total",
-                    "vllm:time_to_first_token_seconds"}
+    names = {
+        f"vllm:kvdisk_{name}" + ("_total" if kind == "counter" else "")
+        for name, kind, *_ in metrics
+    }
+    return names | {"vllm:prompt_tokens_cached_by_source_total", "vllm:time_to_first_token_seconds"}
 
 
 EXPORTED = exported_metrics()
@@ -179,8 +241,11 @@ def fail(where: str, message: str) -> None:
 def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in over.items():
-        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(
-            out.get(key), dict) else value
+        out[key] = (
+            merge(out[key], value)
+            if isinstance(value, dict) and isinstance(out.get(key), dict)
+            else value
+        )
     return out
 
 
@@ -214,21 +279,25 @@ def validate_doc(doc: dict[str, Any]) -> list[str]:
         if schema is None:
             return [f"no schema for {doc.get('apiVersion')} {doc.get('kind')}"]
         for err in jsonschema.Draft202012Validator(schema).iter_errors(doc):
-            errors.append(f"{doc['kind']} schema (monitoring_schemas.py): {err.message} at "
-                          f"/{'/'.join(map(str, err.absolute_path))}")
+            errors.append(
+                f"{doc['kind']} schema (monitoring_schemas.py): {err.message} at "
+                f"/{'/'.join(map(str, err.absolute_path))}"
+            )
         return errors
     for version in KUBE_VERSIONS:
         try:
             kubernetes_validate.validate(doc, version, strict=True)
         except kubernetes_validate.ValidationError as err:
-            errors.append(f"k8s {version} schema: {err.message} at "
-                          f"/{'/'.join(map(str, err.absolute_path))}")
+            errors.append(
+                f"k8s {version} schema: {err.message} at /{'/'.join(map(str, err.absolute_path))}"
+            )
         except kubernetes_validate.SchemaNotFoundError as err:
             errors.append(f"no k8s {version} schema: {err.message}")
     return errors
 
 
 # -- PromQL -------------------------------------------------------------------------------
+
 
 def walk(node: Any) -> Iterator[Any]:
     yield node
@@ -263,6 +332,7 @@ def unknown_metrics(names: set[str]) -> set[str]:
 
 # -- the chart ------------------------------------------------------------------------------
 
+
 def check_values_schema() -> None:
     where = "values.schema.json"
     try:
@@ -273,16 +343,18 @@ def check_values_schema() -> None:
         return
     validator = jsonschema.Draft7Validator(schema)
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
-    merged = [(f"{c} (merged)", merge(defaults, case_values(f, o)))
-              for c, (f, o, _) in CASES.items()]
+    merged = [
+        (f"{c} (merged)", merge(defaults, case_values(f, o))) for c, (f, o, _) in CASES.items()
+    ]
     for name, values in [("values.yaml", defaults)] + merged:
         for err in validator.iter_errors(values):
             fail(where, f"{name}: {err.message} at /{'/'.join(map(str, err.absolute_path))}")
     print(f"ok   values.schema.json: draft-07, values.yaml and {len(CASES)} cases pass it")
 
 
-def check_invariants(case: str, docs: list[dict[str, Any]], access_mode: str | None,
-                     values: dict[str, Any]) -> None:
+def check_invariants(
+    case: str, docs: list[dict[str, Any]], access_mode: str | None, values: dict[str, Any]
+) -> None:
     by_kind: dict[str, list[dict[str, Any]]] = {}
     for doc in docs:
         by_kind.setdefault(doc["kind"], []).append(doc)
@@ -298,8 +370,10 @@ def check_invariants(case: str, docs: list[dict[str, Any]], access_mode: str | N
     shutdown = arg("--shutdown-timeout")
     grace = pod.get("terminationGracePeriodSeconds", 30)  # Kubernetes' default
     if shutdown is None or int(grace) <= int(shutdown):
-        fail(where, f"terminationGracePeriodSeconds {grace} must exceed --shutdown-timeout "
-                    f"{shutdown}")
+        fail(
+            where,
+            f"terminationGracePeriodSeconds {grace} must exceed --shutdown-timeout {shutdown}",
+        )
     for flag in ("--kv-disk-dir", "--kv-disk-space-mb"):
         if arg(flag) is None:
             fail(where, f"{flag} missing from args")
@@ -338,17 +412,23 @@ def check_invariants(case: str, docs: list[dict[str, Any]], access_mode: str | N
         if spec["selector"]["matchLabels"].items() - targets.items():
             what = "Service" if kind == "ServiceMonitor" else "pods"
             fail(f"{case}/{kind}", f"selector does not select the {what}")
-        if mon["metadata"]["namespace"] != NAMESPACE and \
-                spec.get("namespaceSelector", {}).get("matchNames") != [NAMESPACE]:
-            fail(f"{case}/{kind}", "lives in another namespace without a namespaceSelector "
-                                   "for the release namespace")
+        if mon["metadata"]["namespace"] != NAMESPACE and spec.get("namespaceSelector", {}).get(
+            "matchNames"
+        ) != [NAMESPACE]:
+            fail(
+                f"{case}/{kind}",
+                "lives in another namespace without a namespaceSelector for the release namespace",
+            )
         names = ports if kind == "ServiceMonitor" else container_ports
         for ep in spec.get("endpoints", []) + spec.get("podMetricsEndpoints", []):
             if ep["port"] not in names or ep.get("path") != "/metrics":
                 fail(f"{case}/{kind}", f"endpoint {ep} is not /metrics on a named port")
             if seconds(ep["scrapeTimeout"]) > seconds(ep["interval"]):
-                fail(f"{case}/{kind}", f"scrapeTimeout {ep['scrapeTimeout']} exceeds interval "
-                                       f"{ep['interval']} (Prometheus rejects that)")
+                fail(
+                    f"{case}/{kind}",
+                    f"scrapeTimeout {ep['scrapeTimeout']} exceeds interval "
+                    f"{ep['interval']} (Prometheus rejects that)",
+                )
     claims = by_kind.get("PersistentVolumeClaim", [])
     if access_mode is not None:
         if len(claims) != 1 or claims[0]["spec"]["accessModes"] != [access_mode]:
@@ -359,28 +439,39 @@ def check_invariants(case: str, docs: list[dict[str, Any]], access_mode: str | N
         need = int(arg("--kv-disk-space-mb")) + int(arg("--kv-disk-min-free-mb"))
         size = mebibytes(claim["spec"]["resources"]["requests"]["storage"])
         if size < need:
-            fail(f"{case}/PersistentVolumeClaim", f"{size:.0f} MiB is less than the budget plus "
-                                                  f"the free-space watermark ({need} MiB)")
+            fail(
+                f"{case}/PersistentVolumeClaim",
+                f"{size:.0f} MiB is less than the budget plus "
+                f"the free-space watermark ({need} MiB)",
+            )
     for cm in by_kind.get("ConfigMap", []):
         check_dashboard_configmap(case, cm, values)
     for rule in by_kind.get("PrometheusRule", []):
-        intervals = [seconds(ep["interval"]) for m in monitors for ep in
-                     m["spec"].get("endpoints", []) + m["spec"].get("podMetricsEndpoints", [])]
+        intervals = [
+            seconds(ep["interval"])
+            for m in monitors
+            for ep in m["spec"].get("endpoints", []) + m["spec"].get("podMetricsEndpoints", [])
+        ]
         check_rules(case, rule, max(intervals, default=60))
 
 
 def check_dashboard_configmap(case: str, cm: dict[str, Any], values: dict[str, Any]) -> None:
     where = f"{case}/ConfigMap/{cm['metadata']['name']}"
-    conf = merge(yaml.safe_load((CHART / "values.yaml").read_text())["grafana"]["dashboards"],
-                 values.get("grafana", {}).get("dashboards", {}))
+    conf = merge(
+        yaml.safe_load((CHART / "values.yaml").read_text())["grafana"]["dashboards"],
+        values.get("grafana", {}).get("dashboards", {}),
+    )
     if cm["metadata"]["labels"].get(conf["label"]) != str(conf["labelValue"]):
         fail(where, f"lacks the sidecar label {conf['label']}={conf['labelValue']}")
-    if conf.get("folder") and cm["metadata"].get("annotations", {}).get(
-            conf["folderAnnotation"]) != conf["folder"]:
+    if (
+        conf.get("folder")
+        and cm["metadata"].get("annotations", {}).get(conf["folderAnnotation"]) != conf["folder"]
+    ):
         fail(where, f"lacks the folder annotation {conf['folderAnnotation']}")
     data = cm.get("data", {})
-    if list(data) != ["kvdisk-dashboard.json"] or data["kvdisk-dashboard.json"] != \
-            DASHBOARD.read_text().rstrip("\n"):
+    if list(data) != ["kvdisk-dashboard.json"] or data[
+        "kvdisk-dashboard.json"
+    ] != DASHBOARD.read_text().rstrip("\n"):
         fail(where, f"does not carry {DASHBOARD.relative_to(ROOT)} unchanged")
 
 
@@ -389,8 +480,9 @@ ALERT_TEMPLATE = re.compile(r"{{(.*?)}}", re.S)
 ALERT_TEMPLATE_BODY = re.compile(r"\s*\$(value|labels\.[a-zA-Z_]\w*)(\s*\|\s*\w+)*\s*")
 
 
-def check_rules(case: str, rule_doc: dict[str, Any], scrape_interval: float,
-                quiet: bool = False) -> None:
+def check_rules(
+    case: str, rule_doc: dict[str, Any], scrape_interval: float, quiet: bool = False
+) -> None:
     where = f"{case}/PrometheusRule"
     seen = set()
     for group in rule_doc["spec"]["groups"]:
@@ -409,8 +501,11 @@ def check_rules(case: str, rule_doc: dict[str, Any], scrape_interval: float,
                 fail(here, f"unknown metric(s) {sorted(unknown_metrics(facts['metrics']))}")
             short = [w for _, w in facts["ranges"] if w < 4 * scrape_interval]
             if short:
-                fail(here, f"range window(s) {short} s shorter than 4 scrape intervals "
-                           f"({scrape_interval:.0f} s): rate() needs several samples")
+                fail(
+                    here,
+                    f"range window(s) {short} s shorter than 4 scrape intervals "
+                    f"({scrape_interval:.0f} s): rate() needs several samples",
+                )
             if "alert" not in rule:
                 continue
             if not rule.get("labels", {}).get("severity"):
@@ -425,11 +520,16 @@ def check_rules(case: str, rule_doc: dict[str, Any], scrape_interval: float,
                     if not ALERT_TEMPLATE_BODY.fullmatch(body):
                         fail(here, f"unexpected alert template {{{{{body}}}}}")
                     if used - facts["by"]:
-                        fail(here, f"text uses $labels {sorted(used - facts['by'])} that the "
-                                   f"expression aggregates away")
+                        fail(
+                            here,
+                            f"text uses $labels {sorted(used - facts['by'])} that the "
+                            f"expression aggregates away",
+                        )
     if not quiet and not any(f.startswith(where) for f in failures):
-        print(f"ok   {case}: {len(seen)} alert rules parsed as PromQL, over known metrics, "
-              f"with severity, summary, description, runbook")
+        print(
+            f"ok   {case}: {len(seen)} alert rules parsed as PromQL, over known metrics, "
+            f"with severity, summary, description, runbook"
+        )
 
 
 def check_chart() -> None:
@@ -439,11 +539,14 @@ def check_chart() -> None:
     for case, values in lint_cases.items():
         report = helm.lint(str(CHART), values, strict=True, namespace=NAMESPACE)
         problems = [m for m in report["messages"] if m["severity"] >= 2] + [
-            {"severity": 3, "path": "", "error": e} for e in report["errors"]]
+            {"severity": 3, "path": "", "error": e} for e in report["errors"]
+        ]
         for m in problems:
             fail(f"lint {case}", f"{m['path']}: {m['error']}")
-        print(f"ok   helm lint --strict ({case}): {len(report['messages'])} message(s), "
-              f"{len(problems)} warning/error(s)")
+        print(
+            f"ok   helm lint --strict ({case}): {len(report['messages'])} message(s), "
+            f"{len(problems)} warning/error(s)"
+        )
 
     for case, (files, overrides, access_mode) in CASES.items():
         values = case_values(files, overrides)
@@ -472,8 +575,10 @@ def check_chart() -> None:
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:
             fail(case, f"manifests lack what the invariant checks read: {err!r}")
         status = "ok  " if len(failures) == before else "FAIL"
-        print(f"{status} {case}: {len(docs)} manifests {kinds} checked against k8s "
-              f"{', '.join(KUBE_VERSIONS)} (strict) -> {out.relative_to(ROOT)}")
+        print(
+            f"{status} {case}: {len(docs)} manifests {kinds} checked against k8s "
+            f"{', '.join(KUBE_VERSIONS)} (strict) -> {out.relative_to(ROOT)}"
+        )
 
     for what, values in BAD_VALUES.items():
         try:
@@ -498,8 +603,12 @@ def check_chart() -> None:
     check_reuse_values_upgrade()
 
     # The validator itself must reject broken manifests (guards against a silent pass).
-    docs = dict((d["kind"], d) for _, d in documents(render(
-        {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}})))
+    docs = dict(
+        (d["kind"], d)
+        for _, d in documents(
+            render({"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}})
+        )
+    )
     pm_docs = dict((d["kind"], d) for _, d in documents(render({"podMonitor": {"enabled": True}})))
     broken = copy.deepcopy(docs["Deployment"])
     broken["spec"]["template"]["spec"]["containers"][0]["volumeMountz"] = []
@@ -509,24 +618,33 @@ def check_chart() -> None:
     broken_pm["spec"]["podMetricsEndpoints"][0]["relabelling"] = []
     broken_rule = copy.deepcopy(docs["PrometheusRule"])
     broken_rule["spec"]["groups"][0]["rules"][0]["for"] = "30 minutes"
-    caught = [len(validate_doc(broken)), len(validate_doc(broken_sm)), len(validate_doc(broken_pm)),
-              len(validate_doc(broken_rule))]
+    caught = [
+        len(validate_doc(broken)),
+        len(validate_doc(broken_sm)),
+        len(validate_doc(broken_pm)),
+        len(validate_doc(broken_rule)),
+    ]
     bad_promql = copy.deepcopy(docs["PrometheusRule"])
     bad_promql["spec"]["groups"][0]["rules"][0]["expr"] = "sum(rate(vllm:kvdisk_saves_total[5m])"
     bad_metric = copy.deepcopy(docs["PrometheusRule"])
-    bad_metric["spec"]["groups"][0]["rules"][1]["expr"] = \
+    bad_metric["spec"]["groups"][0]["rules"][1]["expr"] = (
         "rate(vllm:kvdisk_save_failure_total[5m]) > 0"
+    )
     before, quiet_failures = len(failures), True
     for doc in (bad_promql, bad_metric):
         check_rules("self-test", doc, 15, quiet=True)
     rule_caught, quiet_failures = len(failures) - before, False
     del failures[before:]
     if caught[0] != len(KUBE_VERSIONS) or min(caught[1:]) < 1 or rule_caught < 2:
-        fail("self-test", f"the validator missed a broken manifest (errors: {caught}, "
-                          f"rules: {rule_caught})")
+        fail(
+            "self-test",
+            f"the validator missed a broken manifest (errors: {caught}, rules: {rule_caught})",
+        )
     else:
-        print("ok   self-test: a broken Deployment, ServiceMonitor, PodMonitor and "
-              "PrometheusRule, bad PromQL and an unknown metric are rejected")
+        print(
+            "ok   self-test: a broken Deployment, ServiceMonitor, PodMonitor and "
+            "PrometheusRule, bad PromQL and an unknown metric are rejected"
+        )
 
 
 def check_reuse_values_upgrade() -> None:
@@ -534,10 +652,12 @@ def check_reuse_values_upgrade() -> None:
     chart's defaults (Helm replaces the new values.yaml with the old release's coalesced
     values): the new templates must not fail on the sections 0.1 did not have."""
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
-    old = {k: v for k, v in defaults.items()
-           if k not in ("podMonitor", "prometheusRule", "grafana")}
-    old["serviceMonitor"] = {k: defaults["serviceMonitor"][k]
-                             for k in ("enabled", "interval", "scrapeTimeout", "labels")}
+    old = {
+        k: v for k, v in defaults.items() if k not in ("podMonitor", "prometheusRule", "grafana")
+    }
+    old["serviceMonitor"] = {
+        k: defaults["serviceMonitor"][k] for k in ("enabled", "interval", "scrapeTimeout", "labels")
+    }
     with tempfile.TemporaryDirectory() as tmp:
         chart = Path(tmp) / CHART.name
         shutil.copytree(CHART, chart)
@@ -545,8 +665,14 @@ def check_reuse_values_upgrade() -> None:
         try:
             for values in ({}, {"serviceMonitor": {"enabled": True, "labels": {"release": "x"}}}):
                 with helm.Chart.load(str(chart)) as loaded:
-                    docs = [d for _, d in documents(loaded.render(
-                        values, name=RELEASE, namespace=NAMESPACE, is_upgrade=True))]
+                    docs = [
+                        d
+                        for _, d in documents(
+                            loaded.render(
+                                values, name=RELEASE, namespace=NAMESPACE, is_upgrade=True
+                            )
+                        )
+                    ]
                 for doc in docs:
                     for error in validate_doc(doc):
                         fail("upgrade --reuse-values from 0.1", f"{doc['kind']}: {error}")
@@ -557,6 +683,7 @@ def check_reuse_values_upgrade() -> None:
 
 
 # -- the dashboard ----------------------------------------------------------------------
+
 
 def panels(dash: dict[str, Any]) -> Iterator[dict[str, Any]]:
     for panel in dash.get("panels", []):
@@ -591,8 +718,10 @@ def check_dashboard() -> None:
         return
     before = len(failures)
     variables = {v.get("name"): v for v in dash.get("templating", {}).get("list", [])}
-    if variables.get("datasource", {}).get("type") != "datasource" or \
-            variables["datasource"].get("query") != "prometheus":
+    if (
+        variables.get("datasource", {}).get("type") != "datasource"
+        or variables["datasource"].get("query") != "prometheus"
+    ):
         fail(where, "needs a Prometheus datasource variable named datasource")
     for name in VARIABLES[1:]:
         var = variables.get(name)
@@ -602,14 +731,18 @@ def check_dashboard() -> None:
         query = var.get("query", {}).get("query", "")
         m = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", query)
         if not m or m.group(2) != name or var.get("datasource", {}).get("uid") != "${datasource}":
-            fail(where, f"variable {name}: expected label_values(<selector>, {name}) on "
-                        f"${{datasource}}, got {query!r}")
+            fail(
+                where,
+                f"variable {name}: expected label_values(<selector>, {name}) on "
+                f"${{datasource}}, got {query!r}",
+            )
             continue
         try:
             metrics = promql_facts(grafana_to_promql(m.group(1)))["metrics"]
             if unknown_metrics(metrics):
-                fail(where, f"variable {name}: unknown metric(s) "
-                            f"{sorted(unknown_metrics(metrics))}")
+                fail(
+                    where, f"variable {name}: unknown metric(s) {sorted(unknown_metrics(metrics))}"
+                )
         except ValueError as err:
             fail(where, f"variable {name}: PromQL error {err}: {query}")
     ids, used, exprs = set(), set(), 0
@@ -633,29 +766,43 @@ def check_dashboard() -> None:
             except ValueError as err:
                 fail(where, f"panel {title!r}: PromQL error {err}: {expr}")
                 continue
-            used |= {HISTOGRAM_SUFFIX.sub("", n) if HISTOGRAM_SUFFIX.sub("", n) in EXPORTED else n
-                     for n in facts["metrics"]}
+            used |= {
+                HISTOGRAM_SUFFIX.sub("", n) if HISTOGRAM_SUFFIX.sub("", n) in EXPORTED else n
+                for n in facts["metrics"]
+            }
             if not facts["metrics"] or unknown_metrics(facts["metrics"]):
-                fail(where, f"panel {title!r}: unknown metric(s) "
-                            f"{sorted(unknown_metrics(facts['metrics'])) or 'none'} in {expr}")
+                fail(
+                    where,
+                    f"panel {title!r}: unknown metric(s) "
+                    f"{sorted(unknown_metrics(facts['metrics'])) or 'none'} in {expr}",
+                )
             for func, window in facts["ranges"]:
                 whole_range = window == RANGE_S and func == "increase" and panel["type"] == "stat"
                 if window != RATE_INTERVAL_S and not whole_range:
-                    fail(where, f"panel {title!r}: {func}() over a fixed window; use "
-                                f"$__rate_interval (or $__range for a stat's total): {expr}")
+                    fail(
+                        where,
+                        f"panel {title!r}: {func}() over a fixed window; use "
+                        f"$__rate_interval (or $__range for a stat's total): {expr}",
+                    )
     if EXPORTED - used:
         fail(where, f"metrics without a panel: {sorted(EXPORTED - used)}")
     # TTFT beside the hit rate, so the benefit is visible
     by_title = {p.get("title"): p for p in panels(dash) if p.get("type") == "timeseries"}
     hit = by_title.get("Disk hit rate", {}).get("gridPos", {})
-    ttft = [p["gridPos"] for p in by_title.values() if any(
-        "vllm:time_to_first_token_seconds_bucket" in t.get("expr", "") for t in p["targets"])]
-    if not hit or not any(g["y"] == hit["y"] and g["x"] in (hit["x"] + hit["w"], hit["x"] - g["w"])
-                          for g in ttft):
+    ttft = [
+        p["gridPos"]
+        for p in by_title.values()
+        if any("vllm:time_to_first_token_seconds_bucket" in t.get("expr", "") for t in p["targets"])
+    ]
+    if not hit or not any(
+        g["y"] == hit["y"] and g["x"] in (hit["x"] + hit["w"], hit["x"] - g["w"]) for g in ttft
+    ):
         fail(where, "no time-to-first-token panel beside the Disk hit rate panel")
     status = "ok  " if len(failures) == before else "FAIL"
-    print(f"{status} dashboard: schemaVersion {dash.get('schemaVersion')}, {len(ids)} panels, "
-          f"{exprs} queries over {len(used)} metrics, variables {', '.join(variables)}")
+    print(
+        f"{status} dashboard: schemaVersion {dash.get('schemaVersion')}, {len(ids)} panels, "
+        f"{exprs} queries over {len(used)} metrics, variables {', '.join(variables)}"
+    )
 
 
 # -- the production-stack values ------------------------------------------------------------
@@ -664,21 +811,66 @@ STRINGS = {"type": "array", "items": {"type": "string"}}
 # The vllm-stack chart's values for one serving engine, as its helm/values.yaml describes
 # them; the keys this project knows of (a typo is an error), with their types.
 PSTACK_MODEL_SPEC = {
-    "type": "object", "additionalProperties": False,
+    "type": "object",
+    "additionalProperties": False,
     "required": ["name", "repository", "tag", "modelURL"],
     "properties": {
-        **{k: {"type": "string"} for k in (
-            "name", "repository", "tag", "modelURL", "imagePullSecret", "serviceAccountName",
-            "priorityClassName", "runtimeClassName", "chatTemplate", "chatTemplateConfigMap",
-            "requestMemory", "limitMemory", "requestGPUType", "pvcStorage", "storageClass",
-            "shmSize", "nodeName", "tolerationsPolicy", "modelRevision", "toolCallParser")},
-        **{k: {"type": "object"} for k in (
-            "annotations", "podAnnotations", "podLabels", "labels", "resources", "pvcMatchLabels",
-            "pvcLabels", "pvcAnnotations", "initContainer", "envFromSecret", "affinity", "keda",
-            "raySpec", "serviceAnnotations")},
-        **{k: {"type": "array"} for k in ("extraVolumes", "extraVolumeMounts", "env",
-                                          "nodeSelectorTerms", "tolerations")},
-        "enabled": {"type": "boolean"}, "enableLoRA": {"type": "boolean"},
+        **{
+            k: {"type": "string"}
+            for k in (
+                "name",
+                "repository",
+                "tag",
+                "modelURL",
+                "imagePullSecret",
+                "serviceAccountName",
+                "priorityClassName",
+                "runtimeClassName",
+                "chatTemplate",
+                "chatTemplateConfigMap",
+                "requestMemory",
+                "limitMemory",
+                "requestGPUType",
+                "pvcStorage",
+                "storageClass",
+                "shmSize",
+                "nodeName",
+                "tolerationsPolicy",
+                "modelRevision",
+                "toolCallParser",
+            )
+        },
+        **{
+            k: {"type": "object"}
+            for k in (
+                "annotations",
+                "podAnnotations",
+                "podLabels",
+                "labels",
+                "resources",
+                "pvcMatchLabels",
+                "pvcLabels",
+                "pvcAnnotations",
+                "initContainer",
+                "envFromSecret",
+                "affinity",
+                "keda",
+                "raySpec",
+                "serviceAnnotations",
+            )
+        },
+        **{
+            k: {"type": "array"}
+            for k in (
+                "extraVolumes",
+                "extraVolumeMounts",
+                "env",
+                "nodeSelectorTerms",
+                "tolerations",
+            )
+        },
+        "enabled": {"type": "boolean"},
+        "enableLoRA": {"type": "boolean"},
         "enableTool": {"type": "boolean"},
         "replicaCount": {"type": "integer", "minimum": 0},
         "requestCPU": {"type": ["integer", "number", "string"]},
@@ -686,31 +878,56 @@ PSTACK_MODEL_SPEC = {
         "requestGPU": {"type": ["integer", "number", "string"]},
         "pvcAccessMode": STRINGS,
         "hf_token": {"type": ["string", "object"]},
-        "vllmConfig": {"type": "object", "additionalProperties": False, "properties": {
-            "v0": {"type": ["string", "integer"]}, "enablePrefixCaching": {"type": "boolean"},
-            "enableChunkedPrefill": {"type": "boolean"}, "maxModelLen": {"type": "integer"},
-            "dtype": {"type": "string"}, "tensorParallelSize": {"type": "integer"},
-            "maxNumSeqs": {"type": "integer"}, "maxLoras": {"type": "integer"},
-            "gpuMemoryUtilization": {"type": ["number", "string"]},
-            "runner": {"type": "string"}, "convert": {"type": "string"},
-            "prometheusMultiprocDir": {"type": "string"}, "extraArgs": STRINGS}},
+        "vllmConfig": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "v0": {"type": ["string", "integer"]},
+                "enablePrefixCaching": {"type": "boolean"},
+                "enableChunkedPrefill": {"type": "boolean"},
+                "maxModelLen": {"type": "integer"},
+                "dtype": {"type": "string"},
+                "tensorParallelSize": {"type": "integer"},
+                "maxNumSeqs": {"type": "integer"},
+                "maxLoras": {"type": "integer"},
+                "gpuMemoryUtilization": {"type": ["number", "string"]},
+                "runner": {"type": "string"},
+                "convert": {"type": "string"},
+                "prometheusMultiprocDir": {"type": "string"},
+                "extraArgs": STRINGS,
+            },
+        },
         "lmcacheConfig": {"type": "object"},
     },
 }
 PSTACK_VALUES_SCHEMA = {
-    "type": "object", "required": ["servingEngineSpec"],
-    "properties": {"servingEngineSpec": {
-        "type": "object", "required": ["modelSpec"],
-        "properties": {
-            "modelSpec": {"type": "array", "minItems": 1, "items": PSTACK_MODEL_SPEC},
-            "serviceMonitor": {"type": "object", "additionalProperties": False, "properties": {
-                "enabled": {"type": "boolean"},
-                "additionalLabels": {"type": "object", "additionalProperties": {"type": "string"}},
-                "interval": {"type": "string", "pattern": DURATION_PATTERN},
-                "scrapeTimeout": {"type": "string", "pattern": DURATION_PATTERN},
-                "honorLabels": {"type": "boolean"},
-                "relabelings": {"type": "array"}, "metricRelabelings": {"type": "array"}}},
-        }}},
+    "type": "object",
+    "required": ["servingEngineSpec"],
+    "properties": {
+        "servingEngineSpec": {
+            "type": "object",
+            "required": ["modelSpec"],
+            "properties": {
+                "modelSpec": {"type": "array", "minItems": 1, "items": PSTACK_MODEL_SPEC},
+                "serviceMonitor": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "enabled": {"type": "boolean"},
+                        "additionalLabels": {
+                            "type": "object",
+                            "additionalProperties": {"type": "string"},
+                        },
+                        "interval": {"type": "string", "pattern": DURATION_PATTERN},
+                        "scrapeTimeout": {"type": "string", "pattern": DURATION_PATTERN},
+                        "honorLabels": {"type": "boolean"},
+                        "relabelings": {"type": "array"},
+                        "metricRelabelings": {"type": "array"},
+                    },
+                },
+            },
+        }
+    },
 }
 K8S_DEFAULT_GRACE_S = 30  # the vllm-stack chart sets no terminationGracePeriodSeconds
 
@@ -723,15 +940,24 @@ def pstack_command(spec: dict[str, Any]) -> list[str]:
         cmd.append("--enable-lora")
     cfg = spec.get("vllmConfig") or {}
     if "enableChunkedPrefill" in cfg:
-        cmd.append("--enable-chunked-prefill" if cfg["enableChunkedPrefill"]
-                   else "--no-enable-chunked-prefill")
-    cmd.append("--enable-prefix-caching" if cfg.get("enablePrefixCaching")
-               else "--no-enable-prefix-caching")
-    for key, flag in (("maxModelLen", "--max-model-len"), ("dtype", "--dtype"),
-                      ("tensorParallelSize", "--tensor-parallel-size"),
-                      ("maxNumSeqs", "--max-num-seqs"),
-                      ("gpuMemoryUtilization", "--gpu_memory_utilization"),
-                      ("maxLoras", "--max_loras")):
+        cmd.append(
+            "--enable-chunked-prefill"
+            if cfg["enableChunkedPrefill"]
+            else "--no-enable-chunked-prefill"
+        )
+    cmd.append(
+        "--enable-prefix-caching"
+        if cfg.get("enablePrefixCaching")
+        else "--no-enable-prefix-caching"
+    )
+    for key, flag in (
+        ("maxModelLen", "--max-model-len"),
+        ("dtype", "--dtype"),
+        ("tensorParallelSize", "--tensor-parallel-size"),
+        ("maxNumSeqs", "--max-num-seqs"),
+        ("gpuMemoryUtilization", "--gpu_memory_utilization"),
+        ("maxLoras", "--max_loras"),
+    ):
         if key in cfg:
             cmd += [flag, str(cfg[key])]
     cmd += [str(a) for a in cfg.get("extraArgs", [])]
@@ -773,38 +999,62 @@ def check_production_stack() -> None:
         cmd = pstack_command(spec)
         env = {e["name"]: e.get("value") for e in spec.get("env", [])}
         # the pod the chart would render, reduced to what this file sets, against k8s schemas
-        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}, "spec": {
-            "containers": [{"name": "vllm", "image": f"{spec['repository']}:{spec['tag']}",
-                            "command": cmd, "env": spec.get("env", []),
-                            "volumeMounts": spec.get("extraVolumeMounts", [])}],
-            "volumes": spec.get("extraVolumes", [])}}
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "x"},
+            "spec": {
+                "containers": [
+                    {
+                        "name": "vllm",
+                        "image": f"{spec['repository']}:{spec['tag']}",
+                        "command": cmd,
+                        "env": spec.get("env", []),
+                        "volumeMounts": spec.get("extraVolumeMounts", []),
+                    }
+                ],
+                "volumes": spec.get("extraVolumes", []),
+            },
+        }
         for error in validate_doc(pod):
             fail(here, f"env/extraVolumes/extraVolumeMounts: {error}")
 
-        def flag(name: str) -> list[str]:
+        def flag(name: str, cmd: list[str] = cmd) -> list[str]:
             return [cmd[i + 1] for i, a in enumerate(cmd) if a == name]
 
         plugins = (env.get("VLLM_PLUGINS") or "").split(",")
         if not {"kvdisk", "kvdisk_replay"} <= set(plugins):
             fail(here, "env VLLM_PLUGINS must name kvdisk and kvdisk_replay")
         if "--enable-prefix-caching" not in cmd:
-            fail(here, "vllmConfig.enablePrefixCaching must be true (the chart passes "
-                       "--no-enable-prefix-caching otherwise)")
+            fail(
+                here,
+                "vllmConfig.enablePrefixCaching must be true (the chart passes "
+                "--no-enable-prefix-caching otherwise)",
+            )
         if "--enable-prompt-tokens-details" not in cmd:
             fail(here, "--enable-prompt-tokens-details missing from vllmConfig.extraArgs")
         timeouts = flag("--shutdown-timeout")
         if len(timeouts) != 1 or not int(timeouts[0]) < K8S_DEFAULT_GRACE_S:
-            fail(here, f"one --shutdown-timeout under the pod's {K8S_DEFAULT_GRACE_S} s grace "
-                       f"period is needed, got {timeouts}")
+            fail(
+                here,
+                f"one --shutdown-timeout under the pod's {K8S_DEFAULT_GRACE_S} s grace "
+                f"period is needed, got {timeouts}",
+            )
         transfers = flag("--kv-transfer-config")
         if len(transfers) != 1:
-            fail(here, f"exactly one --kv-transfer-config needed (lmcacheConfig adds its own), "
-                       f"got {len(transfers)}")
+            fail(
+                here,
+                f"exactly one --kv-transfer-config needed (lmcacheConfig adds its own), "
+                f"got {len(transfers)}",
+            )
             continue
         try:
             transfer = json.loads(transfers[0])
-            expected = {"kv_connector": "kvdisk", "kv_role": "kv_both",
-                        "kv_load_failure_policy": "recompute"}
+            expected = {
+                "kv_connector": "kvdisk",
+                "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute",
+            }
             if {k: transfer.get(k) for k in expected} != expected:
                 raise ValueError(f"needs {expected}")
             extra = transfer["kv_connector_extra_config"]
@@ -814,31 +1064,46 @@ def check_production_stack() -> None:
             continue
         mounts = {m["mountPath"]: m["name"] for m in spec.get("extraVolumeMounts", [])}
         volumes = {v["name"]: v for v in spec.get("extraVolumes", [])}
-        claim = volumes.get(mounts.get(config.kv_disk_dir), {}).get(
-            "persistentVolumeClaim", {}).get("claimName")
+        claim = (
+            volumes.get(mounts.get(config.kv_disk_dir), {})
+            .get("persistentVolumeClaim", {})
+            .get("claimName")
+        )
         if claim is None:
-            fail(here, f"kv_disk_dir {config.kv_disk_dir} is not the mount point of a PVC "
-                       f"in extraVolumes/extraVolumeMounts")
+            fail(
+                here,
+                f"kv_disk_dir {config.kv_disk_dir} is not the mount point of a PVC "
+                f"in extraVolumes/extraVolumeMounts",
+            )
         elif claim != pvc["metadata"]["name"]:
             fail(here, f"mounts claim {claim}, {PSTACK_PVC.name} creates {pvc['metadata']['name']}")
         else:
             need = config.kv_disk_space_mb + config.kv_disk_min_free_mb
             size = mebibytes(pvc["spec"]["resources"]["requests"]["storage"])
             if size < need:
-                fail(here, f"the cache PVC ({size:.0f} MiB) is smaller than the budget plus the "
-                           f"free-space watermark ({need} MiB)")
+                fail(
+                    here,
+                    f"the cache PVC ({size:.0f} MiB) is smaller than the budget plus the "
+                    f"free-space watermark ({need} MiB)",
+                )
     # the README shows an excerpt: it must not drift from the file
     excerpt = readme_excerpt()
     if excerpt is None:
-        fail(str(README.relative_to(ROOT)), "no ```yaml block starting with "
-                                            "'# deploy/production-stack-values.yaml (excerpt)'")
+        fail(
+            str(README.relative_to(ROOT)),
+            "no ```yaml block starting with '# deploy/production-stack-values.yaml (excerpt)'",
+        )
     elif not is_subset(excerpt, values):
-        fail(str(README.relative_to(ROOT)),
-             f"its excerpt of {PSTACK_VALUES.name} differs from the file")
+        fail(
+            str(README.relative_to(ROOT)),
+            f"its excerpt of {PSTACK_VALUES.name} differs from the file",
+        )
     status = "ok  " if len(failures) == before else "FAIL"
-    print(f"{status} {where}: vllm-stack values layout, `vllm serve` args and the kvdisk "
-          f"config (through vllm_kvdisk/core/config.py), cache PVC {PSTACK_PVC.name} (k8s strict), "
-          f"README excerpt")
+    print(
+        f"{status} {where}: vllm-stack values layout, `vllm serve` args and the kvdisk "
+        f"config (through vllm_kvdisk/core/config.py), cache PVC {PSTACK_PVC.name} (k8s strict), "
+        f"README excerpt"
+    )
 
 
 def readme_excerpt() -> Any:
@@ -850,17 +1115,23 @@ def readme_excerpt() -> Any:
 
 def is_subset(small: Any, big: Any) -> bool:
     if isinstance(small, dict):
-        return isinstance(big, dict) and all(k in big and is_subset(v, big[k])
-                                             for k, v in small.items())
+        return isinstance(big, dict) and all(
+            k in big and is_subset(v, big[k]) for k, v in small.items()
+        )
     if isinstance(small, list):
-        return isinstance(big, list) and len(small) <= len(big) and all(
-            is_subset(s, b) for s, b in zip(small, big))
+        return (
+            isinstance(big, list)
+            and len(small) <= len(big)
+            and all(is_subset(s, b) for s, b in zip(small, big))
+        )
     return small == big
 
 
 def main() -> int:
-    print(f"helm SDK {helm.helm_sdk_version()} (helm-python-sdk {helm.__version__}), "
-          f"kubernetes-validate {kubernetes_validate.__version__}")
+    print(
+        f"helm SDK {helm.helm_sdk_version()} (helm-python-sdk {helm.__version__}), "
+        f"kubernetes-validate {kubernetes_validate.__version__}"
+    )
     check_chart()
     check_dashboard()
     check_production_stack()

@@ -13,8 +13,9 @@ import urllib.request
 
 
 def post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"content-type": "application/json"})
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"content-type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=300) as resp:
         return json.load(resp)
 
@@ -26,16 +27,19 @@ def main() -> None:
     with urllib.request.urlopen(args.url + "/v1/models") as resp:
         model = json.load(resp)["data"][0]["id"]
     system = open(textwrap.__file__).read()[:12000]
-    messages = [{"role": "system", "content": system},
-                {"role": "user", "content": "What does dedent do?"}]
+    messages = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "What does dedent do?"},
+    ]
     for turn in (1, 2):
-        reply = post(args.url + "/v1/chat/completions",
-                     {"model": model, "messages": messages, "max_tokens": 32, "temperature": 0})
+        reply = post(
+            args.url + "/v1/chat/completions",
+            {"model": model, "messages": messages, "max_tokens": 32, "temperature": 0},
+        )
         usage = reply["usage"]
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         print(f"turn {turn}: prompt {usage['prompt_tokens']} tokens, cached {cached}")
-        messages += [reply["choices"][0]["message"],
-                     {"role": "user", "content": "And fill?"}]
+        messages += [reply["choices"][0]["message"], {"role": "user", "content": "And fill?"}]
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def first_sentence(path: pathlib.Path) -> str:
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""
     para = " ".join(doc.split("\n\n")[0].split())
     end = para.find(". ")
-    return (para if end < 0 else para[:end + 1]).rstrip()
+    return (para if end < 0 else para[: end + 1]).rstrip()
 
 
 def table() -> str:
@@ -52,8 +52,11 @@ def main(argv: list[str]) -> int:
     current = text[start:stop].strip()
     if "--check" in argv:
         if current != table():
-            print("docs/DESIGN.md's module table is out of date: "
-                  "python scripts/module_table.py --write", file=sys.stderr)
+            print(
+                "docs/DESIGN.md's module table is out of date: "
+                "python scripts/module_table.py --write",
+                file=sys.stderr,
+            )
             return 1
         return 0
     if "--write" in argv:

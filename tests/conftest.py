@@ -42,19 +42,22 @@ def qwen3next_model(tmp_path_factory):
     """Tiny Qwen3-Next: Gated-DeltaNet and full-attention layers, bf16."""
     from vllm_kvdisk.testing.tinymodel import build_tiny_model
 
-    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "qwen3next",
-                                arch="qwen3next"))
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "qwen3next", arch="qwen3next"))
 
 
 def pytest_collection_modifyitems(config, items):
     """Engine tests are recognisable by their file's name: every test marked ``engine``
     lives in a ``test_engine_*.py`` file, and those files hold engine tests only."""
-    wrong = [item.nodeid for item in items
-             if (item.get_closest_marker("engine") is not None)
-             != item.fspath.basename.startswith("test_engine_")]
+    wrong = [
+        item.nodeid
+        for item in items
+        if (item.get_closest_marker("engine") is not None)
+        != item.fspath.basename.startswith("test_engine_")
+    ]
     if wrong:
-        raise pytest.UsageError("engine tests belong in tests/test_engine_*.py, and only "
-                                "they: " + ", ".join(wrong[:10]))
+        raise pytest.UsageError(
+            "engine tests belong in tests/test_engine_*.py, and only they: " + ", ".join(wrong[:10])
+        )
 
 
 GLUSTER_BASE = "/tmp/kvdisk-gluster"
@@ -73,3 +76,21 @@ def gluster_mounts():
             yield vol.mounts
     except gluster.GlusterError as exc:
         pytest.fail(f"no GlusterFS volume for this test: {exc}", pytrace=False)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """A size report of the package's largest modules, not a limit: a module that keeps
+    growing may hold two concepts, and this is where a reader sees it first."""
+    import pathlib
+
+    package = pathlib.Path(__file__).resolve().parent.parent / "vllm_kvdisk"
+    sizes = sorted(
+        (
+            (len(p.read_text().splitlines()), str(p.relative_to(package.parent)))
+            for p in package.rglob("*.py")
+        ),
+        reverse=True,
+    )
+    terminalreporter.write_sep("-", "largest modules (lines)")
+    for lines, name in sizes[:8]:
+        terminalreporter.write_line(f"{lines:5d}  {name}")

@@ -17,6 +17,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from engine import CFG  # noqa: E402
+
 from vllm_kvdisk.testing.harness import engine, generate, random_prompt  # noqa: E402
 
 

@@ -12,11 +12,14 @@ WORDS = open(os.path.join(os.path.dirname(os.__file__), "textwrap.py")).read().s
 
 def text(start: int, n: int) -> str:
     """``n`` words from word ``start`` on (wrapping every 2000 words)."""
-    return " ".join(WORDS[start % 2000: start % 2000 + n])
+    return " ".join(WORDS[start % 2000 : start % 2000 + n])
 
 
 def kv_files(kv: str) -> list[str]:
     """The checkpoint files of every namespace under the root ``kv``, sorted; quarantined
     files are evidence, not checkpoints, and are left out."""
-    return sorted(p for p in glob.glob(os.path.join(kv, "*", "*.kv"))
-                  if os.path.basename(os.path.dirname(p)) != QUARANTINE)
+    return sorted(
+        p
+        for p in glob.glob(os.path.join(kv, "*", "*.kv"))
+        if os.path.basename(os.path.dirname(p)) != QUARANTINE
+    )

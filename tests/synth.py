@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from vllm_kvdisk.core.encode import encode_plan
 from vllm_kvdisk.core.entry import Entry, head_digest
 from vllm_kvdisk.core.format import PageLayout, Reason
 from vllm_kvdisk.core.index import Index
 from vllm_kvdisk.core.keys import Fingerprint, token_digest
-from vllm_kvdisk.core.saverules import Grid
 from vllm_kvdisk.core.planner import Planner, Prompt, SavePlan
-from vllm_kvdisk.core.encode import encode_plan
-from vllm_kvdisk.storage.store import Store
+from vllm_kvdisk.core.saverules import Grid
 from vllm_kvdisk.core.tokens import TokenTable
+from vllm_kvdisk.storage.store import Store
 
 BLOCK = 16
 LAYOUT = PageLayout("test:LBHNC", BLOCK, 2, (2, BLOCK, 8), "float32")
@@ -50,18 +50,37 @@ def planner(store: Store) -> Planner:
 
 def pages(rng: np.random.Generator, plan: SavePlan, layout: PageLayout = LAYOUT) -> list[bytes]:
     nb = (plan.tokens - plan.parent_tokens) // layout.block_size
-    return [rng.random((nb, *layout.page_shape), dtype=np.float32).tobytes()
-            for _ in range(layout.num_layers)]
+    return [
+        rng.random((nb, *layout.page_shape), dtype=np.float32).tobytes()
+        for _ in range(layout.num_layers)
+    ]
 
 
 def encode(plan: SavePlan, prompt: Prompt, layers, now: int = 1_000_000, tool_map=()):
-    return encode_plan(plan, text=prompt.text_upto(plan.tokens), ids=prompt.ids, layers=layers,
-                       layout=LAYOUT, fingerprint=FP.digest(), kv_dtype="float32",
-                       context_size=8192, now=now, tool_map=tool_map)
+    return encode_plan(
+        plan,
+        text=prompt.text_upto(plan.tokens),
+        ids=prompt.ids,
+        layers=layers,
+        layout=LAYOUT,
+        fingerprint=FP.digest(),
+        kv_dtype="float32",
+        context_size=8192,
+        now=now,
+        tool_map=tool_map,
+    )
 
 
-def save(store: Store, ns: str, prompt: Prompt, length: int, rng: np.random.Generator,
-         reason: Reason = Reason.COLD, now: int = 1_000_000, tool_map=()) -> tuple[SavePlan, list[bytes]]:
+def save(
+    store: Store,
+    ns: str,
+    prompt: Prompt,
+    length: int,
+    rng: np.random.Generator,
+    reason: Reason = Reason.COLD,
+    now: int = 1_000_000,
+    tool_map=(),
+) -> tuple[SavePlan, list[bytes]]:
     plan = planner(store).plan_save(ns, prompt, length, reason)
     if plan is None:
         raise ValueError(f"nothing to save at {length}")
@@ -84,6 +103,7 @@ def child_of_a_root(tmp_path, seed: int):
 
 # -- an index without files: entries built from id arrays --------------------------
 
+
 def ids_of(seed: int, n: int = 400) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 30000, n).astype("<u4")
 
@@ -96,10 +116,30 @@ class Disk:
         self.stored: dict[str, np.ndarray] = {}
         self.reads = 0
 
-    def add(self, name: str, ids: np.ndarray, end: int, parent: str | None = None,
-            start: int = 0, ns: str = "n", size: int = 1000) -> Entry:
-        e = Entry(ns, name, end, parent, start, Reason.COLD, 0, 0, 0, size,
-                  token_digest(ids[:end]), head_digest(ids, start, BLOCK))
+    def add(
+        self,
+        name: str,
+        ids: np.ndarray,
+        end: int,
+        parent: str | None = None,
+        start: int = 0,
+        ns: str = "n",
+        size: int = 1000,
+    ) -> Entry:
+        e = Entry(
+            ns,
+            name,
+            end,
+            parent,
+            start,
+            Reason.COLD,
+            0,
+            0,
+            0,
+            size,
+            token_digest(ids[:end]),
+            head_digest(ids, start, BLOCK),
+        )
         self.stored[name] = ids[:end].copy()
         self.index.add(e)
         return e
@@ -109,5 +149,11 @@ class Disk:
         return self.stored[entry.sha1][start:stop]
 
     def lookup(self, ids, limit=None, ns="n", include_pending=False):
-        return self.index.lookup(ns, ids, len(ids) if limit is None else limit, BLOCK, self.read,
-                                 include_pending=include_pending)
+        return self.index.lookup(
+            ns,
+            ids,
+            len(ids) if limit is None else limit,
+            BLOCK,
+            self.read,
+            include_pending=include_pending,
+        )

@@ -47,7 +47,12 @@ def test_inspect_shows_header_layout_chain_and_tools(cache, capsys):
     code, out, _ = run(capsys, "inspect", store.path(ns, child.sha1), "--json")
     info = json.loads(out)
     assert code == 0
-    assert (info["tokens"], info["parent_tokens"], info["reason"], info["delta"]) == (240, 112, "cold", True)
+    assert (info["tokens"], info["parent_tokens"], info["reason"], info["delta"]) == (
+        240,
+        112,
+        "cold",
+        True,
+    )
     assert [c["sha1"] for c in info["chain"]] == [root.sha1, child.sha1]
     assert info["tool_ids"] == ["call_1"] and info["layout"]["name"] == "test:LBHNC"
     code, out, _ = run(capsys, "inspect", store.path(ns, child.sha1))
@@ -72,7 +77,9 @@ def test_gc_and_stats(cache, capsys):
     store, ns, root, child = cache
     code, out, _ = run(capsys, "stats", store.root, "--json")
     stats = json.loads(out)
-    assert stats["files"] == 2 and stats["tokens_stored"] == 240 and stats["by_reason"] == {"cold": 2}
+    assert (
+        stats["files"] == 2 and stats["tokens_stored"] == 240 and stats["by_reason"] == {"cold": 2}
+    )
     assert stats["namespaces"][0]["model"] == "tiny" and stats["namespaces"][0]["files"] == 2
     code, out, _ = run(capsys, "stats", store.root)
     assert "2 checkpoint(s)" in out and "KiB" in out and "tiny @ main" in out
@@ -121,16 +128,19 @@ def test_bad_input_is_a_clear_error_not_a_traceback(tmp_path, capsys):
 
 def test_console_script_runs_without_vllm(cache):
     store = cache[0]
-    out = subprocess.run([sys.executable, "-m", "vllm_kvdisk.ops.cli", "stats", store.root],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm_kvdisk.ops.cli", "stats", store.root],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0 and "2 checkpoint(s)" in out.stdout
 
 
 def test_inspect_shows_the_kv_cache_groups_of_a_hybrid_file(tmp_path, capsys):
     from synth import LAYOUT, planner
 
-    from vllm_kvdisk.core.format import Group, GroupKind, Reason
     from vllm_kvdisk.core.encode import encode_plan
+    from vllm_kvdisk.core.format import Group, GroupKind, Reason
 
     store = Store(str(tmp_path / "kv"), space_bytes=1 << 30)
     ns = store.ensure_namespace(FP)
@@ -140,28 +150,50 @@ def test_inspect_shows_the_kv_cache_groups_of_a_hybrid_file(tmp_path, capsys):
     page = LAYOUT.page_bytes
     # 160 tokens of 16: the full layer holds 10 blocks, the window layer 40 - 1 tokens
     # back from 160 (blocks 7..9)
-    enc = encode_plan(plan, text=prompt.text_upto(160), ids=prompt.ids,
-                      layers=[bytes(3 * page), bytes(10 * page)], layout=LAYOUT,
-                      fingerprint=FP.digest(), kv_dtype="float32", context_size=8192,
-                      now=1_000_000, groups=groups)
+    enc = encode_plan(
+        plan,
+        text=prompt.text_upto(160),
+        ids=prompt.ids,
+        layers=[bytes(3 * page), bytes(10 * page)],
+        layout=LAYOUT,
+        fingerprint=FP.digest(),
+        kv_dtype="float32",
+        context_size=8192,
+        now=1_000_000,
+        groups=groups,
+    )
     store.write(ns, plan.sha1, enc)
     code, out, _ = run(capsys, "inspect", store.path(ns, plan.sha1), "--json")
     assert code == 0 and json.loads(out)["groups"] == [
         {"kind": "window", "layers": 1, "window": 40, "first_block": 7, "blocks": 3},
-        {"kind": "full", "layers": 1, "window": 0, "first_block": 0, "blocks": 10}]
+        {"kind": "full", "layers": 1, "window": 0, "first_block": 0, "blocks": 10},
+    ]
     code, out, _ = run(capsys, "inspect", store.path(ns, plan.sha1))
     assert "window 40: 1 layer(s) x blocks 7..10; full: 1 layer(s) x blocks 0..10" in out
     # a state group (Mamba / Gated-DeltaNet): one block, the state after the last token
     prompt = prompt_of(list(range(300, 500)))
     plan = planner(store).plan_save(ns, prompt, 160, Reason.COLD)
-    enc = encode_plan(plan, text=prompt.text_upto(160), ids=prompt.ids,
-                      layers=[bytes(page), bytes(10 * page)], layout=LAYOUT,
-                      fingerprint=FP.digest(), kv_dtype="float32", context_size=8192,
-                      now=1_000_000, groups=(Group(GroupKind.STATE, 1), Group(GroupKind.FULL, 1)))
+    enc = encode_plan(
+        plan,
+        text=prompt.text_upto(160),
+        ids=prompt.ids,
+        layers=[bytes(page), bytes(10 * page)],
+        layout=LAYOUT,
+        fingerprint=FP.digest(),
+        kv_dtype="float32",
+        context_size=8192,
+        now=1_000_000,
+        groups=(Group(GroupKind.STATE, 1), Group(GroupKind.FULL, 1)),
+    )
     store.write(ns, plan.sha1, enc)
     code, out, _ = run(capsys, "inspect", store.path(ns, plan.sha1), "--json")
     assert code == 0 and json.loads(out)["payload_version"] == 3
-    assert json.loads(out)["groups"][0] == {"kind": "state", "layers": 1, "window": 0,
-                                            "first_block": 9, "blocks": 1}
+    assert json.loads(out)["groups"][0] == {
+        "kind": "state",
+        "layers": 1,
+        "window": 0,
+        "first_block": 9,
+        "blocks": 1,
+    }
     code, out, _ = run(capsys, "inspect", store.path(ns, plan.sha1))
     assert "state after 160 tokens: 1 layer(s) x block 9; full: 1 layer(s) x blocks 0..10" in out

@@ -17,10 +17,15 @@ from vllm_kvdisk.core.config import (
 def test_defaults_follow_ds4():
     cfg = load_config({"kv_disk_dir": "/tmp/x"})
     assert cfg == KVDiskConfig(kv_disk_dir="/tmp/x")
-    assert (cfg.kv_disk_space_mb, cfg.kv_cache_min_tokens, cfg.kv_cache_cold_max_tokens,
-            cfg.kv_cache_continued_interval_tokens, cfg.kv_cache_boundary_trim_tokens,
-            cfg.kv_cache_boundary_align_tokens, cfg.tool_memory_max_ids) == (
-        8192, 512, 30000, 10000, 32, 2048, 100000)
+    assert (
+        cfg.kv_disk_space_mb,
+        cfg.kv_cache_min_tokens,
+        cfg.kv_cache_cold_max_tokens,
+        cfg.kv_cache_continued_interval_tokens,
+        cfg.kv_cache_boundary_trim_tokens,
+        cfg.kv_cache_boundary_align_tokens,
+        cfg.tool_memory_max_ids,
+    ) == (8192, 512, 30000, 10000, 32, 2048, 100000)
     assert cfg.kv_cache_tail_checkpoints is True
     with pytest.raises(AttributeError):
         cfg.kv_disk_space_mb = 1  # frozen
@@ -31,15 +36,18 @@ def test_unknown_key_is_named():
         load_config({"kv_disk_dir": "/tmp/x", "kv_disk_spcae_mb": 10})
 
 
-@pytest.mark.parametrize("key,value,msg", [
-    ("kv_disk_space_mb", 8.5, "integer"),
-    ("kv_disk_space_mb", "lots", "integer"),
-    ("kv_disk_space_mb", 0, ">= 1"),
-    ("kv_cache_boundary_trim_tokens", -1, ">= 0"),
-    ("kv_cache_reject_different_quant", "maybe", "true or false"),
-    ("kv_disk_load_policy", "sometimes", "always, auto"),
-    ("kv_cache_boundary_trim_tokens", 4096, "smaller than"),
-])
+@pytest.mark.parametrize(
+    "key,value,msg",
+    [
+        ("kv_disk_space_mb", 8.5, "integer"),
+        ("kv_disk_space_mb", "lots", "integer"),
+        ("kv_disk_space_mb", 0, ">= 1"),
+        ("kv_cache_boundary_trim_tokens", -1, ">= 0"),
+        ("kv_cache_reject_different_quant", "maybe", "true or false"),
+        ("kv_disk_load_policy", "sometimes", "always, auto"),
+        ("kv_cache_boundary_trim_tokens", 4096, "smaller than"),
+    ],
+)
 def test_bad_values_are_rejected_with_the_key(key, value, msg):
     with pytest.raises(ConfigError, match=msg) as err:
         load_config({"kv_disk_dir": "/tmp/x", key: value})
@@ -49,15 +57,21 @@ def test_bad_values_are_rejected_with_the_key(key, value, msg):
 def test_missing_dir_and_string_coercion():
     with pytest.raises(ConfigError, match="kv_disk_dir is required"):
         load_config({})
-    cfg = load_config({"kv_disk_dir": "~/c", "kv_disk_space_mb": "64",
-                       "kv_cache_reject_different_quant": "true"})
+    cfg = load_config(
+        {"kv_disk_dir": "~/c", "kv_disk_space_mb": "64", "kv_cache_reject_different_quant": "true"}
+    )
     assert cfg.kv_disk_space_mb == 64 and cfg.kv_cache_reject_different_quant is True
     assert cfg.kv_disk_dir.startswith("/") and cfg.space_bytes == 64 << 20
 
 
 def test_environment_fills_what_the_config_lacks_and_typos_are_errors():
-    env = {"KVDISK_DIR": "/data/kv", "KVDISK_SPACE_MB": "100", "KVDISK_CACHE_MIN_TOKENS": "64",
-           "KVDISK_CACHE_TAIL_CHECKPOINTS": "false", "HOME": "/root"}
+    env = {
+        "KVDISK_DIR": "/data/kv",
+        "KVDISK_SPACE_MB": "100",
+        "KVDISK_CACHE_MIN_TOKENS": "64",
+        "KVDISK_CACHE_TAIL_CHECKPOINTS": "false",
+        "HOME": "/root",
+    }
     cfg = load_config({}, env)
     assert (cfg.kv_disk_dir, cfg.kv_disk_space_mb, cfg.kv_cache_min_tokens) == ("/data/kv", 100, 64)
     assert cfg.kv_cache_tail_checkpoints is False

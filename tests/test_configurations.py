@@ -13,21 +13,36 @@ import pytest
 import torch
 from workers import make_worker, save_job
 
-from vllm_kvdisk.core.compat import (Placement, Shard, UnsupportedConfig, kv_dtype_identity, kv_shard,
-                                tp_replicas)
 from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, Scope, StepMeta
-from vllm_kvdisk.core.keys import Fingerprint, rank_group
 from vllm_kvdisk.connector.worker import WorkerSide
+from vllm_kvdisk.core.compat import (
+    Placement,
+    Shard,
+    UnsupportedConfig,
+    kv_dtype_identity,
+    kv_shard,
+    tp_replicas,
+)
+from vllm_kvdisk.core.keys import Fingerprint, rank_group
 
 NUM_BLOCKS = 12
 LAYERS = 3
 IDS = np.arange(5_000, 5_000 + NUM_BLOCKS * 256, dtype="<u4")
 
 
-def worker(tmp_path, block: int, placement: Placement, fp: Fingerprint | None = None,
-           name: str = "kv") -> WorkerSide:
-    return make_worker(tmp_path, None, block=block, fp=fp, placement=placement, name=name,
-                       kv_disk_io_threads=2, kv_disk_lock_timeout_s=3)
+def worker(
+    tmp_path, block: int, placement: Placement, fp: Fingerprint | None = None, name: str = "kv"
+) -> WorkerSide:
+    return make_worker(
+        tmp_path,
+        None,
+        block=block,
+        fp=fp,
+        placement=placement,
+        name=name,
+        kv_disk_io_threads=2,
+        kv_disk_lock_timeout_s=3,
+    )
 
 
 def save(w: WorkerSide, blocks: list[int]) -> str:
@@ -38,15 +53,23 @@ def save(w: WorkerSide, blocks: list[int]) -> str:
 
 
 def load(w: WorkerSide, sha1: str, tokens: int, targets: list[int]) -> list[int]:
-    return w.loads.load(LoadJob("r", Scope(), [LoadFile(sha1, 0, tokens, tokens)], 0, targets,
-                           IDS[:tokens].tobytes()))
+    return w.loads.load(
+        LoadJob(
+            "r", Scope(), [LoadFile(sha1, 0, tokens, tokens)], 0, targets, IDS[:tokens].tobytes()
+        )
+    )
 
 
 # -- 1. kernel blocks smaller than vLLM's block --------------------------------------------
 def split_views(layout_name: str, block: int, kernel: int):
     """What a backend with ``kernel``-token kernel blocks hands the connector, built by vLLM."""
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
-                                            KVCacheTensor, compute_layout_strides)
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        compute_layout_strides,
+    )
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -54,12 +77,22 @@ def split_views(layout_name: str, block: int, kernel: int):
     spec = FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=4, dtype=torch.float32)
     per_block = LAYERS * spec.page_size_bytes
     fixed = (None, per_block if layout.is_block_outermost else None, None, None, None)
-    layer_stride, block_stride, *_ = compute_layout_strides(spec, NUM_BLOCKS, LAYERS, layout,
-                                                            fixed_strides=fixed)
+    layer_stride, block_stride, *_ = compute_layout_strides(
+        spec, NUM_BLOCKS, LAYERS, layout, fixed_strides=fixed
+    )
     names = [f"model.layers.{i}.attn" for i in range(LAYERS)]
-    config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[KVCacheTensor(
-        size=per_block * NUM_BLOCKS, layers=names, layer_stride=layer_stride,
-        block_stride=block_stride)], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=per_block * NUM_BLOCKS,
+                layers=names,
+                layer_stride=layer_stride,
+                block_stride=block_stride,
+            )
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+    )
     return allocate_kv_cache(config, torch.device("cpu"), layout, kernel_block_sizes=[kernel])
 
 
@@ -97,7 +130,9 @@ def test_kernel_block_views_round_trip_whole_blocks(tmp_path, block, kernel, lay
         if not host:
             w.mover._host = None  # the torch page path a GPU cache takes
         assert w.mover.num_blocks == NUM_BLOCKS
-        assert w.mover.page_bytes * NUM_BLOCKS * LAYERS == sum(v.numel() * 4 for v in views.values())
+        assert w.mover.page_bytes * NUM_BLOCKS * LAYERS == sum(
+            v.numel() * 4 for v in views.values()
+        )
         out = [np.empty(2 * w.mover.page_bytes, dtype=np.uint8) for _ in grouped]
         w.mover.gather([5, 2], out)
         for g, got in zip(grouped, out):  # vLLM's own grouping is the reference
@@ -138,21 +173,30 @@ def vllm_config_of(tmp_path_factory):
     model_config = ModelConfig(model=model, dtype="float32")
 
     def make(cache_dtype: str = "auto", **parallel) -> VllmConfig:
-        return VllmConfig(model_config=model_config, parallel_config=ParallelConfig(**parallel),
-                          cache_config=CacheConfig(block_size=128, cache_dtype=cache_dtype))
+        return VllmConfig(
+            model_config=model_config,
+            parallel_config=ParallelConfig(**parallel),
+            cache_config=CacheConfig(block_size=128, cache_dtype=cache_dtype),
+        )
+
     return make
 
 
 def kv_cache_config(layers: range, dtype=torch.float32, mla: bool = False, tp_size: int = 1):
     """A worker's KV cache config, with the replica count vLLM computes for it."""
     from vllm.v1.core.kv_cache_utils import kv_cache_groups_tp_replicas
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
-                                            MLAAttentionSpec)
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MLAAttentionSpec,
+    )
 
     names = [f"model.layers.{i}.self_attn.attn" for i in layers]
     if mla:
-        spec = MLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=72, dtype=dtype,
-                                max_tp_shards=1)  # as vLLM's MLA layer publishes it
+        spec = MLAAttentionSpec(
+            block_size=128, num_kv_heads=1, head_size=72, dtype=dtype, max_tp_shards=1
+        )  # as vLLM's MLA layer publishes it
     else:
         spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=dtype)
     groups = [KVCacheGroupSpec(names, spec)]
@@ -188,8 +232,9 @@ def test_a_worker_handed_another_stages_layers_refuses_to_register(tmp_path):
     w = worker(tmp_path, 16, place)
     try:
         with pytest.raises(ValueError, match="lack 2 layer"):
-            w.register_kv_caches({f"model.layers.{i}.attn": torch.zeros(4, 2, 16, 8)
-                                  for i in (0, 1)})
+            w.register_kv_caches(
+                {f"model.layers.{i}.attn": torch.zeros(4, 2, 16, 8) for i in (0, 1)}
+            )
     finally:
         w.shutdown()
 
@@ -229,8 +274,11 @@ def test_fp8_variants_get_different_namespaces_and_per_token_head_is_refused(vll
     e5, _ = engine_fingerprint(vllm_config_of("fp8_e5m2"), cfgs["fp8_e5m2"], tp_rank=0)
     assert e4.dirname() != e5.dirname() and (e4.kv_dtype, e5.kv_dtype) == ("fp8_e4m3", "fp8_e5m2")
     with pytest.raises(UnsupportedConfig, match="int8_per_token_head"):
-        engine_fingerprint(vllm_config_of("int8_per_token_head"),
-                           kv_cache_config(range(4), dtype=torch.int8), tp_rank=0)
+        engine_fingerprint(
+            vllm_config_of("int8_per_token_head"),
+            kv_cache_config(range(4), dtype=torch.int8),
+            tp_rank=0,
+        )
 
 
 def test_decode_context_parallel_is_refused_with_the_setting_named(vllm_config_of):
@@ -248,7 +296,11 @@ def test_replicas_share_one_shard():
     assert tp_replicas(4, 8, mla=False) == 1
     assert tp_replicas(4, 1, mla=True) == 4
     assert [kv_shard(r, 4, 2) for r in range(4)] == [
-        Shard(0, 2, True), Shard(0, 2, False), Shard(1, 2, True), Shard(1, 2, False)]
+        Shard(0, 2, True),
+        Shard(0, 2, False),
+        Shard(1, 2, True),
+        Shard(1, 2, False),
+    ]
     with pytest.raises(UnsupportedConfig):
         kv_shard(0, 4, 3)
 
@@ -324,6 +376,7 @@ class RecordingStreams:
             self.calls.append("enter side")
             yield
             self.calls.append("exit side")
+
         return ctx()
 
     def finish(self) -> None:
@@ -337,19 +390,33 @@ def test_device_copies_order_their_cuda_calls(monkeypatch):
 
     calls: list[str] = []
     layers = [torch.rand(8, 2, 16, 4) for _ in range(2)]
-    mover = transfer.PageMover(layers, 16, "cuda:test", host_copies=False,
-                               streams=RecordingStreams(calls))
+    mover = transfer.PageMover(
+        layers, 16, "cuda:test", host_copies=False, streams=RecordingStreams(calls)
+    )
     real_index = transfer.PageMover._index
-    monkeypatch.setattr(transfer.PageMover, "_index",
-                        lambda self, ids: calls.append("block ids to device") or real_index(self, ids))
+    monkeypatch.setattr(
+        transfer.PageMover,
+        "_index",
+        lambda self, ids: calls.append("block ids to device") or real_index(self, ids),
+    )
     real_copy = torch.Tensor.index_copy_
-    monkeypatch.setattr(torch.Tensor, "index_copy_",
-                        lambda self, *a: calls.append("index_copy_") or real_copy(self, *a))
+    monkeypatch.setattr(
+        torch.Tensor,
+        "index_copy_",
+        lambda self, *a: calls.append("index_copy_") or real_copy(self, *a),
+    )
     pages = np.random.default_rng(0).integers(0, 255, 2 * mover.page_bytes, dtype=np.uint8)
     with ThreadPoolExecutor(1, thread_name_prefix="io") as pool:
         pool.submit(mover.scatter, 1, [3, 5], pages).result()
-    assert calls == ["set_device@io_0", "side waits on compute", "enter side",
-                     "block ids to device", "index_copy_", "exit side", "synchronize side"]
+    assert calls == [
+        "set_device@io_0",
+        "side waits on compute",
+        "enter side",
+        "block ids to device",
+        "index_copy_",
+        "exit side",
+        "synchronize side",
+    ]
     assert layers[1][[3, 5]].numpy().tobytes() == pages.tobytes()
     calls.clear()
     # A save: the engine thread marks the end of the forward; the copy thread copies after it.
@@ -357,8 +424,15 @@ def test_device_copies_order_their_cuda_calls(monkeypatch):
     out = [np.empty(2 * mover.page_bytes, dtype=np.uint8) for _ in layers]
     with ThreadPoolExecutor(1, thread_name_prefix="copy") as pool:
         pool.submit(mover.gather, [3, 5], out, after).result()
-    assert calls == ["event recorded on compute", "set_device@copy_0", "side waits on event",
-                     "enter side", "block ids to device", "exit side", "synchronize side"]
+    assert calls == [
+        "event recorded on compute",
+        "set_device@copy_0",
+        "side waits on event",
+        "enter side",
+        "block ids to device",
+        "exit side",
+        "synchronize side",
+    ]
     assert out[1].tobytes() == pages.tobytes()
 
 
@@ -370,13 +444,17 @@ def test_device_copies_take_at_most_a_bounded_piece_of_device_memory(monkeypatch
 
     calls: list[str] = []
     layers = [torch.rand(16, 2, 16, 4) for _ in range(2)]
-    mover = transfer.PageMover(layers, 16, "cuda:test", host_copies=False,
-                               streams=RecordingStreams(calls))
+    mover = transfer.PageMover(
+        layers, 16, "cuda:test", host_copies=False, streams=RecordingStreams(calls)
+    )
     monkeypatch.setattr(transfer, "DEVICE_TRANSIENT_BYTES", 2 * mover.page_bytes)
     pieces: list[int] = []
     real_select = torch.index_select
-    monkeypatch.setattr(torch, "index_select",
-                        lambda t, dim, idx: pieces.append(len(idx)) or real_select(t, dim, idx))
+    monkeypatch.setattr(
+        torch,
+        "index_select",
+        lambda t, dim, idx: pieces.append(len(idx)) or real_select(t, dim, idx),
+    )
     ids = [9, 3, 4, 12, 0]
     before = [t[ids].clone() for t in layers]
     out = [np.empty(len(ids) * mover.page_bytes, dtype=np.uint8) for _ in layers]
@@ -385,9 +463,11 @@ def test_device_copies_take_at_most_a_bounded_piece_of_device_memory(monkeypatch
     assert [o.tobytes() for o in out] == [b.numpy().tobytes() for b in before]
     uploads: list[int] = []
     real_copy = torch.Tensor.index_copy_
-    monkeypatch.setattr(torch.Tensor, "index_copy_",
-                        lambda self, dim, idx, src: uploads.append(len(src))
-                        or real_copy(self, dim, idx, src))
+    monkeypatch.setattr(
+        torch.Tensor,
+        "index_copy_",
+        lambda self, dim, idx, src: uploads.append(len(src)) or real_copy(self, dim, idx, src),
+    )
     pages = np.random.default_rng(1).integers(0, 255, len(ids) * mover.page_bytes, dtype=np.uint8)
     mover.scatter(1, ids, pages)
     assert uploads == [2, 2, 1]

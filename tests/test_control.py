@@ -15,11 +15,13 @@ def entries(params, text: bytes) -> list[tuple[str, str]]:
 
 def test_load_save_and_cap_are_read_and_bad_values_ignored():
     assert RequestControl.from_request(req(None)) == RequestControl()
-    got = RequestControl.from_request(req({"kvdisk": {"load": False, "save": False,
-                                                      "max_save_tokens": 4096}}))
+    got = RequestControl.from_request(
+        req({"kvdisk": {"load": False, "save": False, "max_save_tokens": 4096}})
+    )
     assert (got.load, got.save, got.max_save_tokens) == (False, False, 4096)
-    odd = RequestControl.from_request(req({"kvdisk": {"load": "no", "max_save_tokens": -5,
-                                                      "save": 0, "x": 1}}))
+    odd = RequestControl.from_request(
+        req({"kvdisk": {"load": "no", "max_save_tokens": -5, "save": 0, "x": 1}})
+    )
     assert odd == RequestControl()  # wrong types and unknown keys change nothing
     assert RequestControl.from_request(req({"kvdisk": [1, 2]})) == RequestControl()
     assert RequestControl.from_request(SimpleNamespace()) == RequestControl()
@@ -30,14 +32,25 @@ def test_load_save_and_cap_are_read_and_bad_values_ignored():
 
 def test_tool_entries_are_bounded_and_must_be_in_the_checkpoint():
     text = b"<tool_call>A</tool_call> and <tool_call>B</tool_call>"
-    pairs = [["a", "<tool_call>A</tool_call>"], ["b", "<tool_call>B</tool_call>"],
-             ["c", "not in the text"], ["", "<tool_call>A</tool_call>"], [1, "x"], "junk"]
+    pairs = [
+        ["a", "<tool_call>A</tool_call>"],
+        ["b", "<tool_call>B</tool_call>"],
+        ["c", "not in the text"],
+        ["", "<tool_call>A</tool_call>"],
+        [1, "x"],
+        "junk",
+    ]
     assert entries({"kvdisk_tool_map": pairs}, text) == [
-        ("a", "<tool_call>A</tool_call>"), ("b", "<tool_call>B</tool_call>")]
+        ("a", "<tool_call>A</tool_call>"),
+        ("b", "<tool_call>B</tool_call>"),
+    ]
     hostile = [[f"id{i}", "<tool_call>A</tool_call>"] for i in range(1 << 20)]
     assert len(entries({"kvdisk_tool_map": hostile}, text)) == MAX_TOOL_PAIRS
-    big = [["z", "<tool_call>A</tool_call>"], ["x", "y" * (1 << 19)],
-           ["w", "<tool_call>B</tool_call>"]]  # past the byte budget nothing more is read
+    big = [
+        ["z", "<tool_call>A</tool_call>"],
+        ["x", "y" * (1 << 19)],
+        ["w", "<tool_call>B</tool_call>"],
+    ]  # past the byte budget nothing more is read
     assert entries({"kvdisk_tool_map": big}, text) == [("z", "<tool_call>A</tool_call>")]
 
 
@@ -50,16 +63,29 @@ from vllm_kvdisk.core.toolmap import encode_tool_map  # noqa: E402
 # Any code point, lone surrogates included: "\ud800" is valid JSON and reaches the engine.
 ANY_TEXT = st.text(st.characters(exclude_categories=()), max_size=12)
 HUGE = st.integers(-1, 1).map(lambda sign: sign * 10**5000)  # past str()'s digit limit
-SCALARS = (st.none() | st.booleans() | st.integers() | HUGE | st.floats() | ANY_TEXT | st.sampled_from(["\ud800", "\udfff", "a\ud800b"]))
-JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
-                    | st.dictionaries(ANY_TEXT, inner, max_size=4), max_leaves=16)
-PAIRS = st.lists(st.lists(ANY_TEXT, min_size=2, max_size=2) | st.tuples(ANY_TEXT, ANY_TEXT)
-                 | JSON, max_size=8)
-CONTROL = st.dictionaries(st.sampled_from(["load", "save", "max_save_tokens"]) | ANY_TEXT,
-                          JSON, max_size=5)
-PARAMS = st.fixed_dictionaries({}, optional={"kvdisk": CONTROL | JSON,
-                                             "kvdisk_tool_map": PAIRS | JSON,
-                                             "client": JSON})
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | HUGE
+    | st.floats()
+    | ANY_TEXT
+    | st.sampled_from(["\ud800", "\udfff", "a\ud800b"])
+)
+JSON = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(ANY_TEXT, inner, max_size=4),
+    max_leaves=16,
+)
+PAIRS = st.lists(
+    st.lists(ANY_TEXT, min_size=2, max_size=2) | st.tuples(ANY_TEXT, ANY_TEXT) | JSON, max_size=8
+)
+CONTROL = st.dictionaries(
+    st.sampled_from(["load", "save", "max_save_tokens"]) | ANY_TEXT, JSON, max_size=5
+)
+PARAMS = st.fixed_dictionaries(
+    {}, optional={"kvdisk": CONTROL | JSON, "kvdisk_tool_map": PAIRS | JSON, "client": JSON}
+)
 
 
 def nested(depth: int) -> list:
@@ -82,10 +108,14 @@ def test_every_client_field_is_parsed_with_bounds_and_never_raises(params):
 
 def test_deep_nesting_and_huge_numbers_are_ignored_not_fatal():
     # (Outside hypothesis: its report of such a value would itself fail.)
-    for params in ({"kvdisk": {"load": nested(50_000), "x": nested(50_000)},
-                    "kvdisk_tool_map": nested(50_000)},
-                   {"kvdisk": {"max_save_tokens": 10**5000, "save": -(10**5000)}},
-                   {"kvdisk": nested(50_000)}):
+    for params in (
+        {
+            "kvdisk": {"load": nested(50_000), "x": nested(50_000)},
+            "kvdisk_tool_map": nested(50_000),
+        },
+        {"kvdisk": {"max_save_tokens": 10**5000, "save": -(10**5000)}},
+        {"kvdisk": nested(50_000)},
+    ):
         assert check_parsed(params) == RequestControl()
 
 

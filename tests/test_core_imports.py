@@ -29,8 +29,14 @@ def pure_modules() -> list[str]:
 
 def test_the_pure_list_covers_the_layers():
     names = pure_modules()
-    for expected in ("core.format", "core.index", "storage.store", "storage.scan",
-                     "replay.log", "ops.cli"):
+    for expected in (
+        "core.format",
+        "core.index",
+        "storage.store",
+        "storage.scan",
+        "replay.log",
+        "ops.cli",
+    ):
         assert expected in names
     assert not FACES_VLLM & set(names)
 

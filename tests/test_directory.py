@@ -96,5 +96,9 @@ def test_remove_namespace_leaves_readers_a_miss(tmp_path):
         assert bytes(buf) == layers[0]
     store.refresh(ns)
     assert len(store.index) == 0 and not os.path.exists(store.ns_dir(ns))
-    assert save(store, ns := store.ensure_namespace(FP), prompt(95), 48,
-                np.random.default_rng(0))[0].parent is None
+    assert (
+        save(store, ns := store.ensure_namespace(FP), prompt(95), 48, np.random.default_rng(0))[
+            0
+        ].parent
+        is None
+    )

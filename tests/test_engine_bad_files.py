@@ -33,7 +33,10 @@ def test_corrupt_file_is_quarantined_and_the_answer_is_still_right(tiny_model, t
         quarantined = [n for n in os.listdir(os.path.join(kv, "quarantine")) if n.endswith(".kv")]
         assert len(quarantined) == 1 and events(trace, "quarantined")
         # The recomputed prefix was saved again: the file under that name is sound now.
-        assert open(path, "rb").read() != bytes(raw) and verify(Store(kv, space_bytes=1 << 40, readonly=True)).ok
+        assert (
+            open(path, "rb").read() != bytes(raw)
+            and verify(Store(kv, space_bytes=1 << 40, readonly=True)).ok
+        )
         llm.reset_prefix_cache()
         again, _ = generate(llm, prompt)  # the engine keeps serving, still exact
         assert again == reference

@@ -5,7 +5,6 @@ import json
 import os
 
 import pytest
-
 from engine import engine, events, generate, random_prompt, wait_events
 from helpers import kv_files
 

@@ -2,7 +2,6 @@
 hashes."""
 
 import pytest
-
 from engine import engine, generate, random_prompt
 
 pytestmark = pytest.mark.engine
@@ -14,8 +13,13 @@ def test_kv_events_announce_disk_blocks_with_the_engines_own_hashes(tiny_model, 
     kv = str(tmp_path / "kv")
     prompt = random_prompt(1000, seed=63)
     cfg = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-    with engine(tiny_model, kv, llm_args={"kv_events_config": cfg},
-                kv_disk_space_mb=4, kv_disk_min_free_mb=0) as llm:
+    with engine(
+        tiny_model,
+        kv,
+        llm_args={"kv_events_config": cfg},
+        kv_disk_space_mb=4,
+        kv_disk_min_free_mb=0,
+    ) as llm:
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         batches = []
         scheduler.kv_event_publisher.publish = batches.append  # what a router would receive
@@ -25,8 +29,12 @@ def test_kv_events_announce_disk_blocks_with_the_engines_own_hashes(tiny_model, 
             generate(llm, random_prompt(1000, seed=seed))
             generate(llm, random_prompt(300, seed=seed + 10))
     found = [e for b in batches for e in b.events]
-    gpu = {h for e in found if type(e).__name__ == "BlockStored" and e.medium == "GPU"
-           for h in e.block_hashes}
+    gpu = {
+        h
+        for e in found
+        if type(e).__name__ == "BlockStored" and e.medium == "GPU"
+        for h in e.block_hashes
+    }
     disk = [e for e in found if type(e).__name__ == "BlockStored" and e.medium == "STORAGE"]
     assert disk, [type(e).__name__ for e in found]
     first = disk[0]

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from engine import OUTCOME_WAIT_S, engine, events, generate, random_prompt
 
-from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.connector.transfer import PageMover
+from vllm_kvdisk.storage.store import Store
 
 pytestmark = pytest.mark.engine
 
@@ -66,7 +66,9 @@ def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_pat
     prompt = random_prompt(1000, seed=2)  # one checkpoint: 896 tokens = 7 blocks
     with engine(tiny_model, str(tmp_path / "kv")) as llm:
         first, _ = generate(llm, prompt)
-        deadline = time.monotonic() + OUTCOME_WAIT_S  # the copy runs after the step, on its own thread
+        deadline = (
+            time.monotonic() + OUTCOME_WAIT_S
+        )  # the copy runs after the step, on its own thread
         while len(written) < 7 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(written) == 7
@@ -78,8 +80,10 @@ def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_pat
         assert len(targets) == 1  # one file restored
         mover, ids = targets[0]
         assert len(ids) == 7
-        out = [np.empty(len(ids) * mover.page_bytes, dtype=np.uint8)
-               for _ in range(mover.layout.num_layers)]
+        out = [
+            np.empty(len(ids) * mover.page_bytes, dtype=np.uint8)
+            for _ in range(mover.layout.num_layers)
+        ]
         gather(mover, ids, out)  # what the engine's blocks hold after the restore
         in_cache = out[0].reshape(len(ids), -1)
         read = np.frombuffer(layer0[0], dtype=np.uint8).reshape(len(ids), -1)
@@ -111,7 +115,8 @@ def test_disk_hit_extends_a_gpu_hit(tiny_model, tmp_path):
 
 
 def test_a_sibling_session_restores_past_the_grid_point_inside_the_first_ones_file(
-        tiny_model, tmp_path):
+    tiny_model, tmp_path
+):
     """ds4's grid (2048/32): session A's 3200-token prompt leaves checkpoints at 1920 (the
     grid) and 3200 (its untrimmed tail). Session B shares A's first 3000 tokens: it restores 2944,
     the last whole block before it leaves A's tail file, not just the grid point 1920."""

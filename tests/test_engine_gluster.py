@@ -13,8 +13,16 @@ import time
 
 import pytest
 from crash_child import prompts
-from engine import (Server, disk_tokens, engine, events, generate, random_prompt,
-                    wait_events, wait_until)
+from engine import (
+    Server,
+    disk_tokens,
+    engine,
+    events,
+    generate,
+    random_prompt,
+    wait_events,
+    wait_until,
+)
 from helpers import kv_files
 
 from vllm_kvdisk.ops.cli import main as kvdisk
@@ -28,16 +36,27 @@ ONE_FILE = 6 << 20  # the largest checkpoint here (a rename may land while bytes
 
 def complete(server: Server, prompt: list[int], **kvdisk_params) -> tuple[list[int], int]:
     """Greedy token ids of 8 new tokens and the prompt tokens served from a cache."""
-    body = {"model": server.model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
-            "return_token_ids": True}
+    body = {
+        "model": server.model,
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     if kvdisk_params:
         body["kv_transfer_params"] = {"kvdisk": kvdisk_params}
     out = server.post("/v1/completions", body)
     return out["choices"][0]["token_ids"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def twice(server: Server, todo: list[list[int]], answers: list, errors: list,
-          started: threading.Event | None = None, **kvdisk_params) -> None:
+def twice(
+    server: Server,
+    todo: list[list[int]],
+    answers: list,
+    errors: list,
+    started: threading.Event | None = None,
+    **kvdisk_params,
+) -> None:
     """Each prompt, then again after the device cache is reset (from disk, or recomputed
     if the file went meanwhile)."""
     try:
@@ -58,8 +77,9 @@ def twice(server: Server, todo: list[list[int]], answers: list, errors: list,
 def run(*jobs: tuple) -> list:
     """Run ``twice`` jobs in threads; their errors."""
     errors: list = []
-    threads = [threading.Thread(target=twice, args=(*job[:3], errors), kwargs=job[3])
-               for job in jobs]
+    threads = [
+        threading.Thread(target=twice, args=(*job[:3], errors), kwargs=job[3]) for job in jobs
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -83,13 +103,25 @@ def test_two_servers_on_two_mounts_of_one_volume(tiny_model, gluster_mounts, tmp
         reference = {tuple(p): generate(llm, p, max_tokens=8)[0] for p in [*sessions, long_one]}
 
     def exact(answers) -> None:
-        wrong = [i for i, (p, first, again, _) in enumerate(answers)
-                 if not first == again == reference[tuple(p)]]
+        wrong = [
+            i
+            for i, (p, first, again, _) in enumerate(answers)
+            if not first == again == reference[tuple(p)]
+        ]
         assert not wrong, f"answers {wrong} differ from the engine without a cache"
 
     def server(name: str, kv: str) -> Server:
-        return Server(tiny_model, kv, str(tmp_path / f"log-{name}"), "--trace", traces[name],
-                      "--kv-disk-space-mb", str(BUDGET_MB), "--kv-disk-min-free-mb", "0")
+        return Server(
+            tiny_model,
+            kv,
+            str(tmp_path / f"log-{name}"),
+            "--trace",
+            traces[name],
+            "--kv-disk-space-mb",
+            str(BUDGET_MB),
+            "--kv-disk-min-free-mb",
+            "0",
+        )
 
     started: dict[str, Server] = {}
     errors: list = []
@@ -142,16 +174,18 @@ def test_two_servers_on_two_mounts_of_one_volume(tiny_model, gluster_mounts, tmp
 
         # 2. A clears the cache (reset_cache) while B serves.
         answers_b, b_started = [], threading.Event()
-        serving = threading.Thread(target=twice, args=(b, sessions[:4], answers_b, errors),
-                                   kwargs={"started": b_started})
+        serving = threading.Thread(
+            target=twice, args=(b, sessions[:4], answers_b, errors), kwargs={"started": b_started}
+        )
         serving.start()
         assert b_started.wait(300)
         assert a.reset_prefix_cache(external=True).get("success", True)
         serving.join(timeout=600)
         assert not errors, errors
         exact(answers_b)
-        wait_until("the reset's deletion finished",
-                   lambda: not glob.glob(os.path.join(kv_a, ".trash-*")))
+        wait_until(
+            "the reset's deletion finished", lambda: not glob.glob(os.path.join(kv_a, ".trash-*"))
+        )
         clean(kv_a)
 
         # 3. kill -9 of A while it saves a long prompt's checkpoints; B serves meanwhile
@@ -159,8 +193,9 @@ def test_two_servers_on_two_mounts_of_one_volume(tiny_model, gluster_mounts, tmp
         before = len(events(traces["a"], "saved"))
         request_a = threading.Thread(target=_ignore, args=(complete, a, long_one))
         answers_b = []
-        serving = threading.Thread(target=twice, args=(b, sessions[4:8], answers_b, errors),
-                                   kwargs={"save": False})
+        serving = threading.Thread(
+            target=twice, args=(b, sessions[4:8], answers_b, errors), kwargs={"save": False}
+        )
         request_a.start()
         serving.start()
         wait_events(traces["a"], "saved", count=before + 1, timeout=120)

@@ -13,17 +13,19 @@ import stat
 
 import numpy as np
 import pytest
+from engine import engine, generate, random_prompt, wait_until
 from synth import FP, prompt, save
 
-from engine import engine, generate, random_prompt, wait_until
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.storage.verify import verify
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
-FOREIGN = {"f00dfeedf00dfeed": b"[" * 100_000 + b"]" * 100_000,
-           "0badc0de0badc0de": b'{"tp_size": 1e400, "model": "tiny"}',
-           "decafbaddecafbad": None}  # a FIFO
+FOREIGN = {
+    "f00dfeedf00dfeed": b"[" * 100_000 + b"]" * 100_000,
+    "0badc0de0badc0de": b'{"tp_size": 1e400, "model": "tiny"}',
+    "decafbaddecafbad": None,
+}  # a FIFO
 
 
 def plant_foreign(kv: str, scratch: str) -> None:
@@ -32,8 +34,7 @@ def plant_foreign(kv: str, scratch: str) -> None:
     for i, (name, info) in enumerate(FOREIGN.items()):
         other = Store(scratch, space_bytes=1 << 30)
         ns = other.ensure_namespace(FP)
-        plan, _ = save(other, ns, prompt(i, 100),
-                       48, np.random.default_rng(i))
+        plan, _ = save(other, ns, prompt(i, 100), 48, np.random.default_rng(i))
         os.makedirs(os.path.join(kv, name), mode=0o700)
         os.rename(other.path(ns, plan.sha1), os.path.join(kv, name, f"{plan.sha1}.kv"))
         other.close()
@@ -68,8 +69,11 @@ def plant_specials(ns_dir: str, victim: str) -> None:
 
 
 def regular_kv(ns_dir: str) -> set[str]:
-    return {os.path.basename(p) for p in glob.glob(os.path.join(ns_dir, "*.kv"))
-            if stat.S_ISREG(os.lstat(p).st_mode)}
+    return {
+        os.path.basename(p)
+        for p in glob.glob(os.path.join(ns_dir, "*.kv"))
+        if stat.S_ISREG(os.lstat(p).st_mode)
+    }
 
 
 def test_hostile_entries_never_stop_the_server_answering_or_saving(tiny_model, tmp_path):
@@ -78,12 +82,16 @@ def test_hostile_entries_never_stop_the_server_answering_or_saving(tiny_model, t
     plant_foreign(kv, str(tmp_path / "scratch"))
     prompts = [random_prompt(1000, seed=90 + i) for i in range(4)]
     # Each conversation takes ~4 MiB: with 6 MiB every new one must evict.
-    with engine(tiny_model, kv, prefix_caching=False, kv_disk_space_mb=6,
-                kv_disk_min_free_mb=0) as llm:
+    with engine(
+        tiny_model, kv, prefix_caching=False, kv_disk_space_mb=6, kv_disk_min_free_mb=0
+    ) as llm:
         # A first answer is computed: nothing on disk shares its prefix (the reference).
         reference, _ = generate(llm, prompts[0])
-        (ns_dir,) = [d for d in glob.glob(os.path.join(kv, "[0-9a-f]" * 16))
-                     if os.path.basename(d) not in FOREIGN]
+        (ns_dir,) = [
+            d
+            for d in glob.glob(os.path.join(kv, "[0-9a-f]" * 16))
+            if os.path.basename(d) not in FOREIGN
+        ]
         ours = regular_kv(ns_dir)
         assert ours
         plant_specials(ns_dir, os.path.join(ns_dir, sorted(ours)[0]))
@@ -95,16 +103,22 @@ def test_hostile_entries_never_stop_the_server_answering_or_saving(tiny_model, t
             first, _ = generate(llm, p)
             # Saves are written after the answer, on the worker's threads: wait for one to
             # land (a loaded disk's fsync has taken seconds) before asking for the restore.
-            wait_until("a checkpoint of the conversation is written",
-                       lambda: regular_kv(ns_dir) - seen)
+            wait_until(
+                "a checkpoint of the conversation is written",
+                lambda seen=seen: regular_kv(ns_dir) - seen,
+            )
             seen |= regular_kv(ns_dir)
             restored, cached = generate(llm, p)
             assert restored == first and cached > 0  # saved, then restored from disk
         assert len(seen - before) >= 3  # every conversation saved a checkpoint
         assert len(regular_kv(ns_dir)) < len(seen)  # and older ones were evicted for them
     for path in glob.glob(os.path.join(ns_dir, "*.kv")) + [
-            os.path.join(ns_dir, ".tmp-" + "a" * 40 + ".kv-1-dead")]:
+        os.path.join(ns_dir, ".tmp-" + "a" * 40 + ".kv-1-dead")
+    ]:
         if not stat.S_ISREG(os.lstat(path).st_mode):
             assert os.path.lexists(path)  # skipped, never moved or followed
-    assert not [p for p in verify(Store(kv, space_bytes=1 << 40, readonly=True)).problems
-                if p.kind in ("bad", "misnamed", "orphan")]
+    assert not [
+        p
+        for p in verify(Store(kv, space_bytes=1 << 40, readonly=True)).problems
+        if p.kind in ("bad", "misnamed", "orphan")
+    ]

@@ -46,7 +46,8 @@ def drain(llm, max_steps: int = 20_000) -> int:
 
 
 def test_hostile_kv_transfer_params_are_answered_exactly_and_the_engine_goes_idle(
-        tiny_model, tmp_path):
+    tiny_model, tmp_path
+):
     prompts = [random_prompt(400, seed=300 + i) for i in range(len(HOSTILE))]
     with engine(tiny_model, None, prefix_caching=False) as llm:
         references = [generate(llm, p, max_tokens=8)[0] for p in prompts]

@@ -51,7 +51,10 @@ def test_sliding_window_model_restores_exactly(gemma3_model, tmp_path):
         groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
         reference = [generate(llm, p, max_tokens=24)[0] for p in prompts]
     assert [type(g.kv_cache_spec).__name__ for g in groups] == [
-        "SlidingWindowSpec", "SlidingWindowSpec", "FullAttentionSpec"]  # HMA on
+        "SlidingWindowSpec",
+        "SlidingWindowSpec",
+        "FullAttentionSpec",
+    ]  # HMA on
     with engine(gemma3_model, kv, trace=trace) as llm:
         assert generate(llm, a, max_tokens=24) == (reference[0], 0)
         reset(llm)
@@ -64,9 +67,15 @@ def test_sliding_window_model_restores_exactly(gemma3_model, tmp_path):
     # Window groups hold the window before each file's end (2 blocks), the full group
     # the blocks the file owns: the delta stores 2 blocks of every group, not 13.
     assert [(g.kind, g.first_block, g.num_blocks) for g in root.groups] == [
-        (GroupKind.WINDOW, 9, 2), (GroupKind.WINDOW, 9, 2), (GroupKind.FULL, 0, 11)]
+        (GroupKind.WINDOW, 9, 2),
+        (GroupKind.WINDOW, 9, 2),
+        (GroupKind.FULL, 0, 11),
+    ]
     assert [(g.kind, g.first_block, g.num_blocks) for g in delta.groups] == [
-        (GroupKind.WINDOW, 11, 2), (GroupKind.WINDOW, 11, 2), (GroupKind.FULL, 11, 2)]
+        (GroupKind.WINDOW, 11, 2),
+        (GroupKind.WINDOW, 11, 2),
+        (GroupKind.FULL, 11, 2),
+    ]
     assert delta.parent_sha1 is not None
     with engine(gemma3_model, kv, trace=trace) as llm:  # restarted: the disk only
         results = []
@@ -85,8 +94,9 @@ def test_window_pages_restored_are_byte_identical(gemma3_model, tmp_path):
     """Every page a restore writes into a window or full group's blocks equals the page the
     engine computed for the same tokens (the cache is filled with garbage in between, so
     only the restore can have put them back)."""
-    import vllm_kvdisk.connector.scheduler as sched_mod
     from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    import vllm_kvdisk.connector.scheduler as sched_mod
 
     prompt = random_prompt(1500, seed=5)
     tables = []  # each finished request's block ids, per group
@@ -155,9 +165,13 @@ def test_gated_deltanet_model_restores_exactly(qwen3next_model, tmp_path):
     # The state group holds one block, the state after the file's last token; the full
     # group the blocks the file owns.
     assert [(g.kind, g.first_block, g.num_blocks) for g in root.groups] == [
-        (GroupKind.STATE, 1, 1), (GroupKind.FULL, 0, 2)]
+        (GroupKind.STATE, 1, 1),
+        (GroupKind.FULL, 0, 2),
+    ]
     assert [(g.kind, g.first_block, g.num_blocks) for g in delta.groups] == [
-        (GroupKind.STATE, 3, 1), (GroupKind.FULL, 2, 2)]
+        (GroupKind.STATE, 3, 1),
+        (GroupKind.FULL, 2, 2),
+    ]
     assert delta.parent_sha1 is not None and root.version == delta.version == 3
     with engine(qwen3next_model, kv, trace=trace, llm_args=args) as llm:  # the disk only
         got_b = generate(llm, b, max_tokens=24)
@@ -188,8 +202,9 @@ def test_a_gated_deltanet_reply_is_resumed_where_vllm_keeps_a_state(qwen3next_mo
         assert generate(llm, q, max_tokens=24) == reference
 
 
-def test_each_tensor_parallel_rank_saves_and_restores_its_own_states(qwen3next_model, tmp_path,
-                                                                     monkeypatch):
+def test_each_tensor_parallel_rank_saves_and_restores_its_own_states(
+    qwen3next_model, tmp_path, monkeypatch
+):
     """TP 2 on the Gated-DeltaNet model: each rank holds half of the linear-attention heads
     (and of the KV heads), so each writes its own namespace, states included, and a
     restart restores both exactly as vLLM's own prefix-cache hit."""

@@ -18,8 +18,9 @@ def scrape_names(server: Server) -> set[str]:
     import requests
 
     body = requests.get(server.url + "/metrics", timeout=30).text
-    return {line.split("{")[0].split(" ")[0] for line in body.splitlines()
-            if line.startswith("vllm:")}
+    return {
+        line.split("{")[0].split(" ")[0] for line in body.splitlines() if line.startswith("vllm:")
+    }
 
 
 def wait_for(predicate, timeout=OUTCOME_WAIT_S):
@@ -36,8 +37,10 @@ def test_metrics_follow_a_chat(tiny_model, tmp_path):
     server = Server(tiny_model, kv, log, "--trace", trace)
     m = server.metric
     try:
-        messages = [{"role": "system", "content": text(0, 900)},
-                    {"role": "user", "content": text(900, 200)}]
+        messages = [
+            {"role": "system", "content": text(0, 900)},
+            {"role": "user", "content": text(900, 200)},
+        ]
         reply = server.chat(messages)
         assert wait_for(lambda: m("vllm:kvdisk_saves_total") >= len(events(trace, "saved")) > 0)
         assert m("vllm:kvdisk_tokens_loaded_total") == 0  # nothing on disk before turn 1
@@ -60,7 +63,8 @@ def test_metrics_follow_a_chat(tiny_model, tmp_path):
         assert wait_for(lambda: m("vllm:kvdisk_saves_total") == len(events(trace, "saved")))
         for reason in ("cold", "continued", "evict", "shutdown"):
             assert m("vllm:kvdisk_saves_total", reason=reason) == len(
-                [e for e in events(trace, "saved") if e.reason == reason])
+                [e for e in events(trace, "saved") if e.reason == reason]
+            )
         files = [p for p in glob.glob(os.path.join(kv, "*", "*.kv")) if "quarantine" not in p]
         assert m("vllm:kvdisk_disk_files") == len(files)
         assert m("vllm:kvdisk_disk_bytes") == sum(os.path.getsize(p) for p in files)
@@ -81,8 +85,9 @@ def test_metrics_follow_a_chat(tiny_model, tmp_path):
     started = [line for line in open(log, errors="replace") if "kvdisk: 0 checkpoint(s)" in line]
     assert started and "INFO" in started[0] and "pid=" in started[0], started
     # Every metric the dashboard and the README use is one the server really exports.
-    dashboard = open(os.path.join(ROOT, "deploy", "helm", "vllm-kvdisk", "dashboards",
-                                  "kvdisk-dashboard.json")).read()
+    dashboard = open(
+        os.path.join(ROOT, "deploy", "helm", "vllm-kvdisk", "dashboards", "kvdisk-dashboard.json")
+    ).read()
     readme = open(os.path.join(ROOT, "README.md")).read()
     used = set(re.findall(r"vllm:kvdisk_[a-z_]+", dashboard + readme))
     exported = {re.sub(r"_(bucket|count|sum|created)$", "", n) for n in names} | names

@@ -13,24 +13,41 @@ from helpers import WORDS, text
 
 from vllm_kvdisk.replay.ktm import load_tool_maps
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city.",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "unit": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+            },
+        },
+    }
+]
 # Key order and spacing the template would never write: it renders
 # '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "c", "city": "Rome"}}\n</tool_call>'.
 CALL = '<tool_call>{"arguments":{"unit":"c","city":"Rome"},"name":"get_weather"}</tool_call>'
-FORCE = {"tools": TOOLS, "tool_choice": "auto", "return_token_ids": True,
-         "structured_outputs": {"regex": re.escape(CALL)}}
+FORCE = {
+    "tools": TOOLS,
+    "tool_choice": "auto",
+    "return_token_ids": True,
+    "structured_outputs": {"regex": re.escape(CALL)},
+}
 TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 BLOCK = 128
 
 pytestmark = pytest.mark.engine
 
+
 # -- a real engine -----------------------------------------------------------------------
 def tokenize(server, messages: list[dict]) -> list[int]:
-    r = requests.post(server.url + "/tokenize", json={
-        "model": server.model, "messages": messages, "tools": TOOLS}, timeout=60)
+    r = requests.post(
+        server.url + "/tokenize",
+        json={"model": server.model, "messages": messages, "tools": TOOLS},
+        timeout=60,
+    )
     r.raise_for_status()
     return r.json()["tokens"]
 
@@ -39,16 +56,20 @@ def first_turn(server) -> list[dict]:
     """A prompt whose tool call crosses a 128-token block boundary and ends before the next
     checkpoint position (grid 128 + 256k): ids 0 mod 256 in 208..238 do."""
     for extra in range(0, 400, 3):
-        messages = [{"role": "system", "content": text(0, 380)},
-                    {"role": "user", "content": "Weather in Rome? " + text(400, 60 + extra)}]
+        messages = [
+            {"role": "system", "content": text(0, 380)},
+            {"role": "user", "content": "Weather in Rome? " + text(400, 60 + extra)},
+        ]
         if 208 <= len(tokenize(server, messages)) % 256 <= 238:
             return messages
     raise AssertionError("no prompt length fits the grid")
 
 
 def turn_two(messages: list[dict], call: dict, content=None) -> list[dict]:
-    return messages + [{"role": "assistant", "content": content, "tool_calls": [call]},
-                       {"role": "tool", "tool_call_id": call["id"], "content": text(700, 160)}]
+    return messages + [
+        {"role": "assistant", "content": content, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": text(700, 160)},
+    ]
 
 
 def cached(reply: dict) -> int:
@@ -70,8 +91,9 @@ def test_replayed_tool_call_extends_the_cache_hit_and_survives_a_restart(tiny_mo
     trace, log = str(tmp_path / "trace.txt"), str(tmp_path / "log")
     # Without replay (tool memory off) the template's JSON differs from the sampled one:
     # the prompt of turn 2 leaves turn 1's tokens at most a token into the call.
-    server = Server(tiny_model, str(tmp_path / "kv-off"), log, *TOOL_ARGS,
-                    "--tool-memory-max-ids", "0")
+    server = Server(
+        tiny_model, str(tmp_path / "kv-off"), log, *TOOL_ARGS, "--tool-memory-max-ids", "0"
+    )
     try:
         messages = first_turn(server)
         p1 = tokenize(server, messages)
@@ -93,14 +115,17 @@ def test_replayed_tool_call_extends_the_cache_hit_and_survives_a_restart(tiny_mo
         call = reply["choices"][0]["message"]["tool_calls"][0]
         assert sampled_ids(reply) == sampled  # greedy: the same call, a new id
         prompt2 = tokenize(server, turn_two(messages, call))
-        assert prompt2[:len(p1) + len(sampled)] == p1 + sampled  # token for token
-        turn2 = server.chat(turn_two(messages, call), max_tokens=4, tools=TOOLS,
-                            kv_transfer_params={"client": "kept"})  # merged with ours
+        assert prompt2[: len(p1) + len(sampled)] == p1 + sampled  # token for token
+        turn2 = server.chat(
+            turn_two(messages, call),
+            max_tokens=4,
+            tools=TOOLS,
+            kv_transfer_params={"client": "kept"},
+        )  # merged with ours
         assert turn2["usage"]["prompt_tokens"] == len(prompt2)
         on_cached = cached(turn2)
         assert on_cached == (len(p1) + len(sampled)) // BLOCK * BLOCK > off_cached
-        assert replay_lines(trace) == [
-            "1 from memory, 0 from disk, 0 missing, 0 changed"]
+        assert replay_lines(trace) == ["1 from memory, 0 from disk, 0 missing, 0 changed"]
     finally:
         assert server.stop()["rc"] == 0
     # The turn-2 checkpoint past the call holds it in its KTM section.
@@ -112,16 +137,16 @@ def test_replayed_tool_call_extends_the_cache_hit_and_survives_a_restart(tiny_mo
         restarted = cached(server.chat(turn_two(messages, call), max_tokens=4, tools=TOOLS))
         next_grid = (len(p1) + len(sampled)) // 256 * 256 + 128
         assert restarted >= next_grid > len(p1) + len(sampled) > off_cached
-        assert replay_lines(trace)[-1] == \
-            "0 from memory, 1 from disk, 0 missing, 0 changed"
+        assert replay_lines(trace)[-1] == "0 from memory, 1 from disk, 0 missing, 0 changed"
     finally:
         assert server.stop()["rc"] == 0
 
 
 # A call long enough that the turn's evict tail ends inside it, blocks past the prompt.
 CITY = "Rome " + " ".join([w for w in WORDS[1000:3000] if w.isalpha()][:60])
-LONG_CALL = ('<tool_call>{"arguments":{"unit":"c","city":"' + CITY + '"},"name":"get_weather"}'
-             '</tool_call>')
+LONG_CALL = (
+    '<tool_call>{"arguments":{"unit":"c","city":"' + CITY + '"},"name":"get_weather"}</tool_call>'
+)
 FORCE_LONG = dict(FORCE, structured_outputs={"regex": re.escape(LONG_CALL)})
 
 
@@ -136,8 +161,12 @@ def test_a_call_returned_just_before_a_restart_replays_after_it(tiny_model, tmp_
     turns = []
     try:
         for how in ("sigterm", "kill"):
-            messages = first_turn(server) if not turns else turns[-1][0] + [
-                {"role": "user", "content": "And in Rome tomorrow? " + text(900, 40)}]
+            messages = (
+                first_turn(server)
+                if not turns
+                else turns[-1][0]
+                + [{"role": "user", "content": "And in Rome tomorrow? " + text(900, 40)}]
+            )
             p1 = tokenize(server, messages)
             reply = server.chat(messages, max_tokens=600, **FORCE_LONG)
             call = reply["choices"][0]["message"]["tool_calls"][0]
@@ -150,12 +179,14 @@ def test_a_call_returned_just_before_a_restart_replays_after_it(tiny_model, tmp_
                 server.stop(kill=True)
             server = Server(tiny_model, kv, log, *TOOL_ARGS, "--trace", trace)
             prompt2 = tokenize(server, turn_two(messages, call))
-            assert prompt2[:len(p1) + len(sampled)] == p1 + sampled  # replayed token for token
-            turn2 = server.chat(turn_two(messages, call), max_tokens=4, tools=TOOLS,
-                                return_token_ids=True)
+            assert prompt2[: len(p1) + len(sampled)] == p1 + sampled  # replayed token for token
+            turn2 = server.chat(
+                turn_two(messages, call), max_tokens=4, tools=TOOLS, return_token_ids=True
+            )
             # every call of the conversation comes back from the log, this one included
-            assert replay_lines(trace)[-1] == (f"0 from memory, {len(turns) + 1} from disk, "
-                                               "0 missing, 0 changed")
+            assert replay_lines(trace)[-1] == (
+                f"0 from memory, {len(turns) + 1} from disk, 0 missing, 0 changed"
+            )
             if how == "sigterm":  # the evict tail landed before the exit: the hit reaches
                 # into the call, up to the block floor of what the server computed
                 tail = (len(p1) + len(sampled) - 1) // BLOCK * BLOCK
@@ -172,16 +203,24 @@ def test_a_call_returned_just_before_a_restart_replays_after_it(tiny_model, tmp_
 
 def test_streamed_calls_replay_and_changed_arguments_render_as_usual(tiny_model, tmp_path):
     trace = str(tmp_path / "trace.txt")
-    server = Server(tiny_model, str(tmp_path / "kv"), str(tmp_path / "log"), *TOOL_ARGS,
-                    "--trace", trace)
+    server = Server(
+        tiny_model, str(tmp_path / "kv"), str(tmp_path / "log"), *TOOL_ARGS, "--trace", trace
+    )
     try:
         messages = first_turn(server)
         p1 = tokenize(server, messages)
-        body = {"model": server.model, "messages": messages, "max_tokens": 80, "temperature": 0,
-                "stream": True, **FORCE}
+        body = {
+            "model": server.model,
+            "messages": messages,
+            "max_tokens": 80,
+            "temperature": 0,
+            "stream": True,
+            **FORCE,
+        }
         call, sampled = {"type": "function", "function": {"name": "", "arguments": ""}}, []
-        with requests.post(server.url + "/v1/chat/completions", json=body, stream=True,
-                           timeout=120) as r:
+        with requests.post(
+            server.url + "/v1/chat/completions", json=body, stream=True, timeout=120
+        ) as r:
             for line in r.iter_lines():
                 if not line.startswith(b"data: {"):
                     continue
@@ -194,41 +233,46 @@ def test_streamed_calls_replay_and_changed_arguments_render_as_usual(tiny_model,
                     call["function"]["arguments"] += fn.get("arguments") or ""
         assert call["id"] and sampled[-1] == 1
         sampled = sampled[:-1]  # without the EOS
-        assert tokenize(server, turn_two(messages, call))[:len(p1) + len(sampled)] == p1 + sampled
+        assert tokenize(server, turn_two(messages, call))[: len(p1) + len(sampled)] == p1 + sampled
 
         # (hermes streams these arguments as '{"unit":"c","city":"Rome"},"name":"get_weather"':
         # what the client received is what it must send back.) A non-streamed twin:
         reply = server.chat(messages, max_tokens=80, **FORCE)
         call = reply["choices"][0]["message"]["tool_calls"][0]
         # JSON-equal arguments in another order are the same call: replayed.
-        reordered = dict(call, function={"name": "get_weather",
-                                         "arguments": '{"city": "Rome", "unit": "c"}'})
+        reordered = dict(
+            call, function={"name": "get_weather", "arguments": '{"city": "Rome", "unit": "c"}'}
+        )
         replayed = tokenize(server, turn_two(messages, call))
-        assert replayed[:len(p1) + len(sampled)] == p1 + sampled
+        assert replayed[: len(p1) + len(sampled)] == p1 + sampled
         assert tokenize(server, turn_two(messages, reordered)) == replayed
         # Other arguments under the same id: rendered as usual, like an unknown id.
-        changed = dict(call, function={"name": "get_weather",
-                                       "arguments": '{"city": "Paris", "unit": "c"}'})
+        changed = dict(
+            call, function={"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}
+        )
         unknown = dict(changed, id="call-never-seen")
         as_usual = tokenize(server, turn_two(messages, unknown))
         assert tokenize(server, turn_two(messages, changed)) == as_usual
         assert shared_prefix(as_usual, p1 + sampled) < len(p1) + 4
         # Content the model never wrote is a change too.
-        assert tokenize(server, turn_two(messages, call, content="Let me check.")) == \
-            tokenize(server, turn_two(messages, dict(call, id="x"), content="Let me check."))
+        assert tokenize(server, turn_two(messages, call, content="Let me check.")) == tokenize(
+            server, turn_two(messages, dict(call, id="x"), content="Let me check.")
+        )
         server.chat(turn_two(messages, changed), max_tokens=2, tools=TOOLS)
         server.chat(turn_two(messages, unknown), max_tokens=2, tools=TOOLS)
         assert replay_lines(trace) == [
             "0 from memory, 0 from disk, 0 missing, 1 changed (as the template renders: "
             "message 2: it differs from what was sampled)",
             "0 from memory, 0 from disk, 1 missing, 0 changed (as the template renders: "
-            "message 2: 1 of 1 call(s) unknown)"]
+            "message 2: 1 of 1 call(s) unknown)",
+        ]
     finally:
         assert server.stop()["rc"] == 0
 
 
-def test_a_template_that_opens_content_differently_keeps_the_hit_past_the_turn(tiny_model,
-                                                                               tmp_path):
+def test_a_template_that_opens_content_differently_keeps_the_hit_past_the_turn(
+    tiny_model, tmp_path
+):
     """Like Mistral's (' ' + content after [/INST]), this template opens a plain assistant
     message with a space the model never sampled after the generation prompt. The turn
     must still come back exactly as sampled, after a restart, and the answer be exact."""
@@ -237,8 +281,9 @@ def test_a_template_that_opens_content_differently_keeps_the_hit_past_the_turn(t
     opening = "{%- if m.content %}{{- '\\n' + m.content }}{%- endif %}"
     assert opening in CHAT_TEMPLATE
     template = tmp_path / "space-before-content.jinja"
-    template.write_text(CHAT_TEMPLATE.replace(
-        opening, "{%- if m.content %}{{- '\\n ' + m.content }}{%- endif %}"))
+    template.write_text(
+        CHAT_TEMPLATE.replace(opening, "{%- if m.content %}{{- '\\n ' + m.content }}{%- endif %}")
+    )
     kv, trace, log = str(tmp_path / "kv"), str(tmp_path / "trace.txt"), str(tmp_path / "log")
     args = (*TOOL_ARGS, "--chat-template", str(template), "--trace", trace)
     server = Server(tiny_model, kv, log, *args)
@@ -253,9 +298,10 @@ def test_a_template_that_opens_content_differently_keeps_the_hit_past_the_turn(t
     server = Server(tiny_model, kv, log, *args)  # a restart: the call comes from the log
     try:
         prompt2 = tokenize(server, turn_two(messages, call))
-        assert prompt2[:len(p1) + len(sampled)] == p1 + sampled  # the turn as sampled
-        turn2 = server.chat(turn_two(messages, call), max_tokens=4, tools=TOOLS,
-                            return_token_ids=True)
+        assert prompt2[: len(p1) + len(sampled)] == p1 + sampled  # the turn as sampled
+        turn2 = server.chat(
+            turn_two(messages, call), max_tokens=4, tools=TOOLS, return_token_ids=True
+        )
         assert replay_lines(trace)[-1] == "0 from memory, 1 from disk, 0 missing, 0 changed"
         floor = (len(p1) + len(sampled) - 1) // BLOCK * BLOCK  # what turn 1 computed
         assert cached(turn2) >= floor > len(p1)

@@ -17,8 +17,10 @@ def test_continued_checkpoints_during_generation_restore_exactly(tiny_model, tmp
         out, _ = generate(llm, prompt, max_tokens=600)  # computed tokens cross 1536, 2048
         # Saves are asynchronous: the last one may land just after the request returns.
         deadline = time.monotonic() + OUTCOME_WAIT_S
-        while (not any(e.reason == "continued" for e in events(trace, "saved"))
-               and time.monotonic() < deadline):
+        while (
+            not any(e.reason == "continued" for e in events(trace, "saved"))
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.1)
         saved = {f"{e.reason}:{e.tokens}" for e in events(trace, "saved")}
         # cold at 1408 (the prompt), continued at the grid position below each frontier.
@@ -40,9 +42,17 @@ def test_sigterm_checkpoints_running_requests_and_the_next_server_resumes(tiny_m
 
     def long_request() -> None:
         try:
-            done["reply"] = requests.post(server.url + "/v1/completions", json={
-                "model": tiny_model, "prompt": prompt_ids, "max_tokens": 3000,
-                "temperature": 0, "ignore_eos": True}, timeout=(5, 10)).json()
+            done["reply"] = requests.post(
+                server.url + "/v1/completions",
+                json={
+                    "model": tiny_model,
+                    "prompt": prompt_ids,
+                    "max_tokens": 3000,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+                timeout=(5, 10),
+            ).json()
         except requests.RequestException as exc:
             # The client gives up mid-generation: a draining server cannot finish 3000
             # tokens within its shutdown timeout, and an open connection would keep
@@ -52,13 +62,13 @@ def test_sigterm_checkpoints_running_requests_and_the_next_server_resumes(tiny_m
     worker = threading.Thread(target=long_request)
     worker.start()
     deadline = time.monotonic() + OUTCOME_WAIT_S
-    while (not any(e.reason == "cold" for e in events(trace, "saved"))
-           and time.monotonic() < deadline):
+    while (
+        not any(e.reason == "cold" for e in events(trace, "saved")) and time.monotonic() < deadline
+    ):
         time.sleep(0.2)
     # SIGTERM only once the request has computed past the next grid position (1152): a
     # shutdown save is made only where it adds something to the disk.
-    while (server.metric("vllm:generation_tokens_total") < 300
-           and time.monotonic() < deadline + 60):
+    while server.metric("vllm:generation_tokens_total") < 300 and time.monotonic() < deadline + 60:
         time.sleep(0.2)
     assert server.stop()["rc"] == 0
     worker.join(timeout=120)
@@ -71,9 +81,11 @@ def test_sigterm_checkpoints_running_requests_and_the_next_server_resumes(tiny_m
         lines_before = len(events(trace, "hit"))
         # Resend the prompt alone: the cold checkpoint (896) hits, and the shutdown one is
         # on disk as a delta on it.
-        r = requests.post(server.url + "/v1/completions", json={
-            "model": tiny_model, "prompt": prompt_ids, "max_tokens": 4, "temperature": 0},
-            timeout=120).json()
+        r = requests.post(
+            server.url + "/v1/completions",
+            json={"model": tiny_model, "prompt": prompt_ids, "max_tokens": 4, "temperature": 0},
+            timeout=120,
+        ).json()
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 896
         assert len(events(trace, "hit")) > lines_before
     finally:
@@ -87,10 +99,16 @@ def test_auto_policy_recomputes_when_the_store_is_slow(tiny_model, tmp_path, mon
     from vllm_kvdisk.core.policy import LoadCostModel
 
     real_load, real_step = LoadCostModel.observe_load, LoadCostModel.observe_step
-    monkeypatch.setattr(LoadCostModel, "observe_load",
-                        lambda self, nbytes, seconds: real_load(self, nbytes, nbytes / 1024))
-    monkeypatch.setattr(LoadCostModel, "observe_step",
-                        lambda self, tokens, seconds: real_step(self, tokens, tokens / 1000))
+    monkeypatch.setattr(
+        LoadCostModel,
+        "observe_load",
+        lambda self, nbytes, seconds: real_load(self, nbytes, nbytes / 1024),
+    )
+    monkeypatch.setattr(
+        LoadCostModel,
+        "observe_step",
+        lambda self, tokens, seconds: real_step(self, tokens, tokens / 1000),
+    )
     kv, trace = str(tmp_path / "kv"), str(tmp_path / "trace.txt")
     first, second = random_prompt(1500, seed=40), random_prompt(1500, seed=41)
     with engine(tiny_model, kv, trace=trace, kv_disk_load_policy="auto") as llm:

@@ -21,8 +21,10 @@ def test_four_turn_chat_with_a_restart_hits_the_tail(tiny_model, tmp_path):
     device prefix cache would give, not the grid point below it; right after a restart,
     all of it from disk."""
     kv, trace, log = str(tmp_path / "kv"), str(tmp_path / "trace.txt"), str(tmp_path / "log")
-    messages = [{"role": "system", "content": text(0, 900)},
-                {"role": "user", "content": "Explain: " + text(900, 250)}]
+    messages = [
+        {"role": "system", "content": text(0, 900)},
+        {"role": "user", "content": "Explain: " + text(900, 250)},
+    ]
     ds4_grid = ("--trace", trace, "--kv-cache-boundary-align-tokens", "2048")
     server = Server(tiny_model, kv, log, *ds4_grid)
     computed: list[int] = []  # token ids the server computed last turn (prompt + reply)
@@ -34,8 +36,9 @@ def test_four_turn_chat_with_a_restart_hits_the_tail(tiny_model, tmp_path):
                 server = Server(tiny_model, kv, log, *ds4_grid)
             before = disk_tokens(server)
             # A long first answer crosses grid positions: the evict save covers it.
-            reply = server.chat(messages, max_tokens=300 if turn == 0 else 24,
-                                return_token_ids=True)
+            reply = server.chat(
+                messages, max_tokens=300 if turn == 0 else 24, return_token_ids=True
+            )
             prompt = reply["prompt_token_ids"]
             cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
             ideal = min(shared_prefix(prompt, computed), len(prompt) - 1)
@@ -50,8 +53,10 @@ def test_four_turn_chat_with_a_restart_hits_the_tail(tiny_model, tmp_path):
             generated = reply["choices"][0]["token_ids"]
             replies.append((prompt, generated))
             computed = prompt + generated[:-1]  # the last sampled token has no KV yet
-            messages += [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
-                         {"role": "user", "content": text(1200 + 100 * turn, 80)}]
+            messages += [
+                {"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                {"role": "user", "content": text(1200 + 100 * turn, 80)},
+            ]
     finally:
         server.stop()
     files = [p for p in glob.glob(os.path.join(kv, "*", "*.kv")) if "quarantine" not in p]
@@ -68,11 +73,17 @@ def test_four_turn_chat_with_a_restart_hits_the_tail(tiny_model, tmp_path):
 def test_sessions_evicted_from_the_device_cache_resume_from_disk(tiny_model, tmp_path):
     kv, log = str(tmp_path / "kv"), str(tmp_path / "log")
     # 40 blocks x 128 tokens: room for about two of these conversations at a time.
-    server = Server(tiny_model, kv, log, "--num-gpu-blocks-override", "40",
-                    "--max-model-len", "4096")
+    server = Server(
+        tiny_model, kv, log, "--num-gpu-blocks-override", "40", "--max-model-len", "4096"
+    )
     try:
-        sessions = [[{"role": "system", "content": f"Session {i}. " + text(40 * i, 700)},
-                     {"role": "user", "content": text(800 + 40 * i, 150)}] for i in range(6)]
+        sessions = [
+            [
+                {"role": "system", "content": f"Session {i}. " + text(40 * i, 700)},
+                {"role": "user", "content": text(800 + 40 * i, 150)},
+            ]
+            for i in range(6)
+        ]
         for msgs in sessions:
             reply = server.chat(msgs)
             msgs += [reply["choices"][0]["message"], {"role": "user", "content": text(1500, 60)}]
@@ -81,7 +92,8 @@ def test_sessions_evicted_from_the_device_cache_resume_from_disk(tiny_model, tmp
             prompt = server.tokenize(msgs)
             reply = server.chat(msgs)
             assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= GRID.floor(
-                len(prompt) // 2)
+                len(prompt) // 2
+            )
         assert disk_tokens(server) - before >= 3 * 1000
     finally:
         server.stop()
@@ -91,8 +103,10 @@ def test_concurrent_sessions_sharing_a_system_prompt(tiny_model, tmp_path):
     kv, trace, log = str(tmp_path / "kv"), str(tmp_path / "trace.txt"), str(tmp_path / "log")
     server = Server(tiny_model, kv, log, "--trace", trace)
     system = {"role": "system", "content": text(0, 800)}
-    convs = {i: [system, {"role": "user", "content": f"Task {i}: " + text(1000 + 97 * i, 300)}]
-             for i in range(8)}
+    convs = {
+        i: [system, {"role": "user", "content": f"Task {i}: " + text(1000 + 97 * i, 300)}]
+        for i in range(8)
+    }
     errors: list[BaseException] = []
     cached: dict[int, int] = {}
 

@@ -15,10 +15,10 @@ import sys
 import time
 
 import pytest
-
 from crash_child import prompts
 from engine import engine, events, generate, random_prompt
 from helpers import kv_files
+
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.storage.verify import verify
 
@@ -28,9 +28,13 @@ CHILD = os.path.join(os.path.dirname(__file__), "crash_child.py")
 
 def start_child(model: str, kv: str, out: str, seed: int, count: int, **cfg) -> subprocess.Popen:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    return subprocess.Popen([sys.executable, CHILD, model, kv, out, str(seed), str(count),
-                             json.dumps(cfg)], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, CHILD, model, kv, out, str(seed), str(count), json.dumps(cfg)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def references(model: str, seed: int, count: int) -> list[list[int]]:
@@ -60,7 +64,9 @@ def test_kill_9_during_saves_leaves_nothing_corrupt_and_answers_stay_exact(tiny_
     proc = start_child(tiny_model, kv, out, seed=70, count=8)
     assert proc.wait(timeout=600) == 0
     answers = json.load(open(out))
-    assert all(a["first"] == a["again"] == ref for a, ref in zip(answers, references(tiny_model, 70, 8)))
+    assert all(
+        a["first"] == a["again"] == ref for a, ref in zip(answers, references(tiny_model, 70, 8))
+    )
     assert any(a["cached"] > 0 for a in answers)  # the survivors were used
     fixed = verify(Store(kv, space_bytes=1 << 40))  # --fix: dead writers' temp files go
     assert not [p for p in fixed.problems if p.kind != "tmp"], fixed.problems
@@ -69,8 +75,8 @@ def test_kill_9_during_saves_leaves_nothing_corrupt_and_answers_stay_exact(tiny_
 
 
 def test_enospc_and_eio_cost_a_checkpoint_never_an_answer(tiny_model, tmp_path, monkeypatch):
-    import vllm_kvdisk.storage.fsdir as fsdir
     import vllm_kvdisk.connector.restore as restore_mod
+    import vllm_kvdisk.storage.fsdir as fsdir
 
     kv, trace = str(tmp_path / "kv"), str(tmp_path / "trace.txt")
     prompt = random_prompt(1500, seed=71)
@@ -97,7 +103,9 @@ def test_enospc_and_eio_cost_a_checkpoint_never_an_answer(tiny_model, tmp_path, 
         llm.reset_prefix_cache()
         tokens, _ = generate(llm, prompt)  # the load fails: recomputed
         assert tokens == reference
-        assert kv_files(kv) and not os.path.isdir(os.path.join(kv, "quarantine"))  # EIO is no corruption
+        assert kv_files(kv) and not os.path.isdir(
+            os.path.join(kv, "quarantine")
+        )  # EIO is no corruption
         monkeypatch.setattr(restore_mod, "read_layers_into", real_read)
         llm.reset_prefix_cache()
         tokens, cached = generate(llm, prompt)
@@ -110,8 +118,11 @@ def test_enospc_and_eio_cost_a_checkpoint_never_an_answer(tiny_model, tmp_path, 
 def small_file_system(path: str, megabytes: int):
     """A real tmpfs of ``megabytes`` (root can mount one here)."""
     os.makedirs(path, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m,mode=0700",
-                           "tmpfs", path], capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={megabytes}m,mode=0700", "tmpfs", path],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
@@ -127,8 +138,9 @@ def test_a_really_full_file_system_skips_saves_and_keeps_serving(tiny_model, tmp
         with engine(tiny_model, None, prefix_caching=False) as llm:
             reference = [generate(llm, p)[0] for p in prompts_]
         # The budget says 1 GiB, the volume holds 12 MiB: the volume is the limit.
-        with engine(tiny_model, kv, trace=trace, kv_disk_space_mb=1024,
-                    kv_disk_min_free_mb=0) as llm:
+        with engine(
+            tiny_model, kv, trace=trace, kv_disk_space_mb=1024, kv_disk_min_free_mb=0
+        ) as llm:
             got = [generate(llm, p)[0] for p in prompts_]
             llm.reset_prefix_cache()
             again = [generate(llm, p) for p in prompts_[-2:]]
@@ -142,11 +154,11 @@ def test_a_really_full_file_system_skips_saves_and_keeps_serving(tiny_model, tmp
         # save and evicts nothing.
         kept = sorted(kv_files(kv))
         filler = os.path.join(root, "filler")
-        with open(filler, "wb") as fh:
-            with contextlib.suppress(OSError):
-                fh.write(b"\0" * (12 << 20))
-        with engine(tiny_model, kv, trace=trace, kv_disk_space_mb=1024,
-                    kv_disk_min_free_mb=8) as llm:
+        with open(filler, "wb") as fh, contextlib.suppress(OSError):
+            fh.write(b"\0" * (12 << 20))
+        with engine(
+            tiny_model, kv, trace=trace, kv_disk_space_mb=1024, kv_disk_min_free_mb=8
+        ) as llm:
             assert generate(llm, random_prompt(1000, seed=90))[0]
         assert sorted(kv_files(kv)) == kept
         assert any(e.reason == "no_space" for e in events(trace, "save_skipped"))
@@ -157,9 +169,19 @@ def test_two_engines_on_one_directory_keep_one_budget(tiny_model, tmp_path):
     budget_mb = 12  # about three 1000-token checkpoints for both engines together
     outs = [str(tmp_path / f"answers-{i}.json") for i in range(2)]
     trace = str(tmp_path / "trace.txt")  # both engines append to it
-    procs = [start_child(tiny_model, kv, outs[i], seed=100 + i, count=8, trace=trace,
-                         kv_disk_space_mb=budget_mb, kv_disk_min_free_mb=0)
-             for i in range(2)]
+    procs = [
+        start_child(
+            tiny_model,
+            kv,
+            outs[i],
+            seed=100 + i,
+            count=8,
+            trace=trace,
+            kv_disk_space_mb=budget_mb,
+            kv_disk_min_free_mb=0,
+        )
+        for i in range(2)
+    ]
     peak = 0
     while any(p.poll() is None for p in procs):
         total = 0
@@ -179,5 +201,8 @@ def test_two_engines_on_one_directory_keep_one_budget(tiny_model, tmp_path):
     assert written > 2 * (budget_mb << 20) and events(trace, "evicted")  # the budget bit
     for i in range(2):
         answers = json.load(open(outs[i]))
-        assert [a["first"] for a in answers] == [a["again"] for a in answers] == references(
-            tiny_model, 100 + i, 8)
+        assert (
+            [a["first"] for a in answers]
+            == [a["again"] for a in answers]
+            == references(tiny_model, 100 + i, 8)
+        )

@@ -12,17 +12,17 @@ import glob
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import pytest
 from engine import OUTCOME_WAIT_S, Server, random_prompt, shared_prefix
 from helpers import text
 
-from vllm_kvdisk.testing import harness
-from vllm_kvdisk.storage.fileread import read_meta, read_tokens
 from vllm_kvdisk.core.saverules import Grid
 from vllm_kvdisk.ops.trace import TraceEvent, read
+from vllm_kvdisk.storage.fileread import read_meta, read_tokens
+from vllm_kvdisk.testing import harness
 
 pytestmark = pytest.mark.engine
 
@@ -54,17 +54,27 @@ class Conversation:
         if self.turns:
             computed = self.turns[-1].prompt + self.turns[-1].generated[:-1]
         ideal = GRID.block_floor(min(shared_prefix(prompt, computed), len(prompt) - 1))
-        turn = Turn([dict(m) for m in self.messages], prompt, reply["choices"][0]["token_ids"],
-                    reply["usage"]["prompt_tokens_details"]["cached_tokens"], ideal)
+        turn = Turn(
+            [dict(m) for m in self.messages],
+            prompt,
+            reply["choices"][0]["token_ids"],
+            reply["usage"]["prompt_tokens_details"]["cached_tokens"],
+            ideal,
+        )
         self.turns.append(turn)
-        self.messages += [{"role": "assistant",
-                           "content": reply["choices"][0]["message"]["content"]},
-                          {"role": "user", "content": follow_up}]
+        self.messages += [
+            {"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+            {"role": "user", "content": follow_up},
+        ]
         return turn
 
 
-def wait_for(trace: str, start: int, ready: Callable[[list[TraceEvent]], bool],
-             timeout: float = OUTCOME_WAIT_S) -> list[TraceEvent]:
+def wait_for(
+    trace: str,
+    start: int,
+    ready: Callable[[list[TraceEvent]], bool],
+    timeout: float = OUTCOME_WAIT_S,
+) -> list[TraceEvent]:
     """Trace events from index ``start`` on, once ``ready(events)`` holds (the workers'
     I/O threads write them, shortly after the request returns)."""
     deadline = time.monotonic() + timeout
@@ -135,10 +145,18 @@ class Run:
 def run(tiny_model, tmp_path_factory) -> Run:
     tmp = tmp_path_factory.mktemp("tp2")
     kv, trace, log = str(tmp / "kv"), str(tmp / "trace.txt"), str(tmp / "server.log")
-    main = Conversation([{"role": "system", "content": text(0, 700)},
-                         {"role": "user", "content": "Explain: " + text(700, 200)}])
-    side = Conversation([{"role": "system", "content": "Other. " + text(1000, 600)},
-                         {"role": "user", "content": text(1600, 150)}])
+    main = Conversation(
+        [
+            {"role": "system", "content": text(0, 700)},
+            {"role": "user", "content": "Explain: " + text(700, 200)},
+        ]
+    )
+    side = Conversation(
+        [
+            {"role": "system", "content": "Other. " + text(1000, 600)},
+            {"role": "user", "content": text(1600, 150)},
+        ]
+    )
     server = Server(tiny_model, kv, log, "--trace", trace, *TP_ARGS, env=TP_ENV)
     try:
         main.turn(server, text(1200, 60), max_tokens=200)  # a long answer crosses the grid
@@ -162,8 +180,7 @@ def run(tiny_model, tmp_path_factory) -> Run:
         main.turn(server, text(1800, 60))  # the device cache and the disk together
     finally:
         server.stop()
-    return Run(kv, main, side, restart, restart_from_disk, restart_events, deleted,
-               side_events)
+    return Run(kv, main, side, restart, restart_from_disk, restart_events, deleted, side_events)
 
 
 @pytest.fixture(scope="module")
@@ -172,17 +189,29 @@ def reference(tiny_model, tmp_path_factory, run: Run) -> dict[tuple[str, int], l
     without a prefix cache: (conversation, turn) -> generated ids."""
     log = str(tmp_path_factory.mktemp("tp2-ref") / "server.log")
     port = harness.free_port()
-    env = {**{k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"},
-           **TP_ENV}
-    cmd = harness.vllm_command(tiny_model, port, "--dtype", "float32", "--max-model-len",
-                               "8192", "--enforce-eager", "--no-enable-prefix-caching", *TP_ARGS)
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"},
+        **TP_ENV,
+    }
+    cmd = harness.vllm_command(
+        tiny_model,
+        port,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "8192",
+        "--enforce-eager",
+        "--no-enable-prefix-caching",
+        *TP_ARGS,
+    )
     server = harness.Server(cmd, log, port, env=env, model=tiny_model, timeout_s=240)
     out: dict[tuple[str, int], list[int]] = {}
     try:
         for name, conv in (("main", run.main), ("side", run.side)):
             for i, turn in enumerate(conv.turns):
-                reply = server.chat(turn.messages, max_tokens=len(turn.generated),
-                                    return_token_ids=True)
+                reply = server.chat(
+                    turn.messages, max_tokens=len(turn.generated), return_token_ids=True
+                )
                 assert reply["prompt_token_ids"] == turn.prompt
                 out[(name, i)] = reply["choices"][0]["token_ids"]
     finally:
@@ -192,8 +221,10 @@ def reference(tiny_model, tmp_path_factory, run: Run) -> dict[tuple[str, int], l
 
 def test_first_turn_after_a_restart_restores_what_a_warm_prefix_cache_keeps(run: Run):
     turn = run.restart
-    print(f"TP 2, first turn after the restart: {turn.cached} cached of {turn.ideal} that a "
-          f"warm prefix cache keeps ({turn.cached / turn.ideal:.2f})")
+    print(
+        f"TP 2, first turn after the restart: {turn.cached} cached of {turn.ideal} that a "
+        f"warm prefix cache keeps ({turn.cached / turn.ideal:.2f})"
+    )
     assert turn.ideal >= 1000
     assert turn.cached >= turn.ideal, (turn.cached, turn.ideal)
     assert run.restart_from_disk == turn.cached  # the device cache was empty: all from disk
@@ -232,18 +263,30 @@ def test_under_a_small_budget_both_ranks_lose_a_checkpoint_together(tiny_model, 
     prompt's block floor, 640 tokens, ~1.25 MiB per rank), a budget for two of them."""
     kv, trace, log = str(tmp_path / "kv"), str(tmp_path / "trace.txt"), str(tmp_path / "log")
     budget_mb = 6
-    server = Server(tiny_model, kv, log, "--trace", trace, "--kv-cache-boundary-align-tokens",
-                    "8192", "--kv-disk-space-mb", str(budget_mb), *TP_ARGS, env=TP_ENV)
+    server = Server(
+        tiny_model,
+        kv,
+        log,
+        "--trace",
+        trace,
+        "--kv-cache-boundary-align-tokens",
+        "8192",
+        "--kv-disk-space-mb",
+        str(budget_mb),
+        *TP_ARGS,
+        env=TP_ENV,
+    )
     prompts = [random_prompt(700, seed=40 + i) for i in range(6)]
     try:
         answers = []
+        outcomes = ("saved", "save_skipped", "save_failed")
         for i, prompt in enumerate(prompts):
             body = {"model": tiny_model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
             answers.append(server.post("/v1/completions", body)["choices"][0]["text"])
             # One save per prompt, on each rank: wait until both have an outcome.
-            outcomes = ("saved", "save_skipped", "save_failed")
-            assert count(wait_for(trace, 0, lambda evs, n=2 * (i + 1): count(
-                evs, *outcomes) >= n), *outcomes) >= 2 * (i + 1)
+            assert count(
+                wait_for(trace, 0, lambda evs, n=2 * (i + 1): count(evs, *outcomes) >= n), *outcomes
+            ) >= 2 * (i + 1)
         dirs = rank_dirs(kv)
         on_disk = {rank: kv_names(d) for rank, d in dirs.items()}
         size = sum(os.path.getsize(p) for d in dirs.values() for p in glob.glob(d + "/*.kv"))
@@ -251,7 +294,7 @@ def test_under_a_small_budget_both_ranks_lose_a_checkpoint_together(tiny_model, 
         server.reset_device_cache()
         body = {"model": tiny_model, "prompt": prompts[0], "max_tokens": 2, "temperature": 0}
         again = server.post("/v1/completions", body)["choices"][0]["text"]
-        after = read(trace)[len(evs):]
+        after = read(trace)[len(evs) :]
     finally:
         server.stop()
     assert count(evs, "save_skipped", "save_failed") == 0

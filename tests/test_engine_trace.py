@@ -49,7 +49,11 @@ def test_each_decision_is_traced_with_its_reason(tiny_model, tmp_path):
         hit = wait_events(trace, "hit")[-1]
         assert (hit.tokens, hit.files) == (896, 2) and "used up to token 896 of 1408" in hit.detail
         at = int(re.search(r"prefix mismatch at byte (\d+)", hit.detail).group(1))
-        assert len(table.render(np.array(a[:1000]))[0]) <= at < len(table.render(np.array(a[:1408]))[0])
+        assert (
+            len(table.render(np.array(a[:1000]))[0])
+            <= at
+            < len(table.render(np.array(a[:1408]))[0])
+        )
 
         llm.reset_prefix_cache()
         c, split_at = same_text_other_tokens(table, a, 700, 1400)

@@ -1,15 +1,16 @@
 """Eviction scenarios: leaves only, lowest score first, ties by last use, TP ranks together."""
 
+from vllm_kvdisk.core.entry import Entry
 from vllm_kvdisk.core.eviction import HALF_LIFE_S, plan_eviction, score
 from vllm_kvdisk.core.format import Reason
-from vllm_kvdisk.core.entry import Entry
 from vllm_kvdisk.core.index import Index
 
 
 def test_eviction_takes_leaves_only_lowest_score_first_and_protects():
     def entry(sha1, tokens, parent=None, parent_tokens=0, size=1000, hits=0, last_used=0):
-        return Entry("n", sha1, tokens, parent, parent_tokens, Reason.COLD, hits, 0, last_used,
-                     size, 0, 0)
+        return Entry(
+            "n", sha1, tokens, parent, parent_tokens, Reason.COLD, hits, 0, last_used, size, 0, 0
+        )
 
     idx = Index()
     idx.add(entry("root", 48, size=100))
@@ -42,8 +43,23 @@ def test_files_of_one_model_go_least_recently_used_first_whatever_their_text_len
     idx = Index()
     sizes = {"first": 3678208, "second": 3682304, "third": 3682304, "newest": 3678208}
     for n, (name, size) in enumerate(sizes.items()):
-        idx.add(Entry("n", name, 896, None, 0, Reason.COLD, 0, 100, 100, size, 0, 0,
-                      used_ns=100 * 10**9 + n * 1000))
+        idx.add(
+            Entry(
+                "n",
+                name,
+                896,
+                None,
+                0,
+                Reason.COLD,
+                0,
+                100,
+                100,
+                size,
+                0,
+                0,
+                used_ns=100 * 10**9 + n * 1000,
+            )
+        )
     three = sizes["first"] + sizes["second"] + sizes["third"]
     plan = plan_eviction(idx, three, now=100)
     assert [e.sha1 for e in plan] == ["first", "second", "third"]
@@ -67,8 +83,9 @@ def test_a_tp_checkpoint_goes_from_every_rank_where_it_is_a_leaf():
     # A sibling that is not a leaf (its rank already continued it), or protected, stays.
     idx.add(Entry("r1", "a2", 112, "a", 48, Reason.COLD, 0, 0, 45, 1000, 0, 0))
     assert [e.key for e in plan_eviction(idx, 1, now=50, groups=groups)] == [("r0", "a")]
-    assert ("r1", "b") not in {e.key for e in plan_eviction(idx, 3000, now=50, groups=groups,
-                                                             protected=[("r1", "b")])}
+    assert ("r1", "b") not in {
+        e.key for e in plan_eviction(idx, 3000, now=50, groups=groups, protected=[("r1", "b")])
+    }
 
 
 def test_scores_tie_by_power_of_1_25_bucket_not_by_distance():
@@ -77,7 +94,8 @@ def test_scores_tie_by_power_of_1_25_bucket_not_by_distance():
     from vllm_kvdisk.core.eviction import eviction_key
 
     def bucket(tokens: int) -> int:  # score = tokens / 100 bytes: no hits, used just now
-        return eviction_key(Entry("n", "x", tokens, None, 0, Reason.COLD, 0, 0, 0, 100, 0, 0),
-                            now=0)[0]
+        return eviction_key(
+            Entry("n", "x", tokens, None, 0, Reason.COLD, 0, 0, 0, 100, 0, 0), now=0
+        )[0]
 
     assert bucket(101) == bucket(124) != bucket(126)

@@ -9,12 +9,27 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_kvdisk.storage.fileread import (read_layer_into, read_meta, read_text, read_tokens,
-                                          read_tool_map)
-from vllm_kvdisk.core.format import (FLAG_DELTA, FLAG_TOOL_MAP, PAGE_ALIGN, FormatError, Group,
-                                     GroupKind, PageLayout, Payload, Reason, UnsupportedFile)
 from vllm_kvdisk.core.encode import encode_checkpoint
+from vllm_kvdisk.core.format import (
+    FLAG_DELTA,
+    FLAG_TOOL_MAP,
+    PAGE_ALIGN,
+    FormatError,
+    Group,
+    GroupKind,
+    PageLayout,
+    Payload,
+    Reason,
+    UnsupportedFile,
+)
 from vllm_kvdisk.core.toolmap import decode_tool_map, encode_tool_map
+from vllm_kvdisk.storage.fileread import (
+    read_layer_into,
+    read_meta,
+    read_text,
+    read_tokens,
+    read_tool_map,
+)
 
 GOLDEN = Path(__file__).parent / "golden"
 LAYOUT = PageLayout("cpu:LBHNC", 4, 2, (1, 4, 2), "float32")
@@ -32,20 +47,38 @@ def golden_checkpoint(delta: bool, hybrid: bool = False) -> bytes:
     nb = 1
     per_layer = [nb, 2 if hybrid else nb]
     layers = [np.full((per_layer[i], 1, 4, 2), i + 0.5, dtype="<f4").tobytes() for i in range(2)]
-    payload = Payload(bytes(range(32)), ("ab" * 20) if delta else None, 4 if delta else 0,
-                      first, nb, LAYOUT, 0x0123456789ABCDEF,
-                      **({"groups": HYBRID} if hybrid else {}))
-    enc = encode_checkpoint(text="héllo wörld"[: 8 if delta else 4].encode(), tokens=tokens.tobytes(),
-                            layers=layers, payload=payload,
-                            reason=Reason.CONTINUED if delta else Reason.COLD, kv_dtype="float32",
-                            context_size=8192, now=1_700_000_000,
-                            tool_map=[("call_1", '{"a": 1}')] if delta else ())
+    payload = Payload(
+        bytes(range(32)),
+        ("ab" * 20) if delta else None,
+        4 if delta else 0,
+        first,
+        nb,
+        LAYOUT,
+        0x0123456789ABCDEF,
+        **({"groups": HYBRID} if hybrid else {}),
+    )
+    enc = encode_checkpoint(
+        text="héllo wörld"[: 8 if delta else 4].encode(),
+        tokens=tokens.tobytes(),
+        layers=layers,
+        payload=payload,
+        reason=Reason.CONTINUED if delta else Reason.COLD,
+        kv_dtype="float32",
+        context_size=8192,
+        now=1_700_000_000,
+        tool_map=[("call_1", '{"a": 1}')] if delta else (),
+    )
     return b"".join(bytes(b) for b in enc.buffers)
 
 
-@pytest.mark.parametrize("name,delta,hybrid", [("v2_root.kv", False, False),
-                                              ("v2_delta_ktm.kv", True, False),
-                                              ("v2_hybrid_delta_ktm.kv", True, True)])
+@pytest.mark.parametrize(
+    "name,delta,hybrid",
+    [
+        ("v2_root.kv", False, False),
+        ("v2_delta_ktm.kv", True, False),
+        ("v2_hybrid_delta_ktm.kv", True, True),
+    ],
+)
 def test_golden_files_pin_the_layout(name, delta, hybrid):
     assert golden_checkpoint(delta, hybrid) == (GOLDEN / name).read_bytes()
 
@@ -67,8 +100,10 @@ def test_golden_group_table_by_offset(tmp_path):
     assert struct.unpack_from("<BBHIII", raw, payload + 160) == (1, 0, 1, 0, 1, 1)
     assert struct.unpack_from("<BBHIII", raw, payload + 176) == (2, 0, 1, 6, 0, 2)
     meta = read_meta(write(tmp_path, raw), len(raw))
-    assert meta.payload.groups == (Group(GroupKind.FULL, 1, 0, 1, 1),
-                                   Group(GroupKind.WINDOW, 1, 6, 0, 2))
+    assert meta.payload.groups == (
+        Group(GroupKind.FULL, 1, 0, 1, 1),
+        Group(GroupKind.WINDOW, 1, 6, 0, 2),
+    )
     page = LAYOUT.page_bytes
     assert [meta.offsets.layer_size(i) for i in range(2)] == [page, 2 * page]
     window = bytearray(2 * page)
@@ -98,11 +133,16 @@ def test_group_ranges_are_checked(tmp_path):
 def test_encoder_refuses_layers_of_the_wrong_group_size():
     with pytest.raises(FormatError, match="layer 1 buffer"):
         layers = [bytes(LAYOUT.page_bytes)] * 2  # the window layer needs two pages
-        encode_checkpoint(text=b"abcdefgh", tokens=np.arange(8, dtype="<u4").tobytes(),
-                          layers=layers,
-                          payload=Payload(bytes(32), "ab" * 20, 4, 1, 1, LAYOUT, 0,
-                                          groups=HYBRID),
-                          reason=Reason.COLD, kv_dtype="float32", context_size=8, now=0)
+        encode_checkpoint(
+            text=b"abcdefgh",
+            tokens=np.arange(8, dtype="<u4").tobytes(),
+            layers=layers,
+            payload=Payload(bytes(32), "ab" * 20, 4, 1, 1, LAYOUT, 0, groups=HYBRID),
+            reason=Reason.COLD,
+            kv_dtype="float32",
+            context_size=8,
+            now=0,
+        )
 
 
 def test_golden_header_fields_by_offset():
@@ -111,13 +151,21 @@ def test_golden_header_fields_by_offset():
     assert raw[4] == 1  # KV dtype code: float32
     assert raw[5] == 2  # save reason: continued
     assert struct.unpack_from("<H", raw, 6)[0] == FLAG_TOOL_MAP | FLAG_DELTA
-    assert struct.unpack_from("<IIQQQQ", raw, 8) == (8, 0, 8192, 1_700_000_000, 1_700_000_000,
-                                                     struct.unpack_from("<Q", raw, 40)[0])
+    assert struct.unpack_from("<IIQQQQ", raw, 8) == (
+        8,
+        0,
+        8192,
+        1_700_000_000,
+        1_700_000_000,
+        struct.unpack_from("<Q", raw, 40)[0],
+    )
     (text_len,) = struct.unpack_from("<I", raw, 48)
-    assert raw[52:52 + text_len].decode() == "héllo wö"
+    assert raw[52 : 52 + text_len].decode() == "héllo wö"
     payload = 52 + text_len
-    assert raw[payload:payload + 4] == b"KVDP"
-    assert raw[-len(encode_tool_map([("call_1", '{"a": 1}')])):] == encode_tool_map([("call_1", '{"a": 1}')])
+    assert raw[payload : payload + 4] == b"KVDP"
+    assert raw[-len(encode_tool_map([("call_1", '{"a": 1}')])) :] == encode_tool_map(
+        [("call_1", '{"a": 1}')]
+    )
 
 
 def write(tmp_path, raw: bytes) -> int:
@@ -132,7 +180,7 @@ def test_round_trip(tmp_path):
     meta = read_meta(fd, len(raw))
     assert meta.header.tokens == 8 and meta.payload.parent_sha1 == "ab" * 20
     assert meta.offsets.pages % PAGE_ALIGN == 0
-    assert read_text(fd, meta) == "héllo wörld".encode()[:len(read_text(fd, meta))]
+    assert read_text(fd, meta) == "héllo wörld".encode()[: len(read_text(fd, meta))]
     assert np.frombuffer(read_tokens(fd, meta), "<u4").tolist() == list(range(8))
     for layer in range(2):
         out = bytearray(meta.offsets.layer_bytes)
@@ -189,8 +237,14 @@ def test_layers_are_read_and_hashed_a_cache_sized_piece_at_a_time(tmp_path, monk
     meta = read_meta(fd, len(raw))
     reads = []
     real = os.preadv
-    monkeypatch.setattr(fmt.os, "preadv", lambda f, views, at, *fl: (
-        reads.append(sum(v.nbytes for v in views)), real(f, views, at, *fl))[1])
+    monkeypatch.setattr(
+        fmt.os,
+        "preadv",
+        lambda f, views, at, *fl: (
+            reads.append(sum(v.nbytes for v in views)),
+            real(f, views, at, *fl),
+        )[1],
+    )
     bufs = [[memoryview(bytearray(n)) for n in (3, 0, 16, 13)] for _ in range(2)]
     fmt.read_layers_into(fd, meta, 0, bufs)
     for layer, views in enumerate(bufs):
@@ -236,7 +290,7 @@ def test_hostile_lengths_are_rejected_before_allocation(tmp_path):
 
 
 def test_tool_map_round_trip_and_limits():
-    entries = [("call_ü", "<tool_call>{\"x\": \"日本\"}</tool_call>"), ("id2", "")]
+    entries = [("call_ü", '<tool_call>{"x": "日本"}</tool_call>'), ("id2", "")]
     assert decode_tool_map(encode_tool_map(entries)) == entries
     with pytest.raises(FormatError):
         encode_tool_map([("", "x")])
@@ -247,9 +301,16 @@ def test_tool_map_round_trip_and_limits():
 def test_encoder_rejects_wrong_layer_sizes():
     payload = Payload(bytes(32), None, 0, 0, 1, LAYOUT, 0)
     with pytest.raises(FormatError, match="layer 0 buffer"):
-        encode_checkpoint(text=b"abcd", tokens=bytes(16), layers=[b"x" * 8, b"x" * 32],
-                          payload=payload, reason=Reason.COLD, kv_dtype="float32",
-                          context_size=1, now=0)
+        encode_checkpoint(
+            text=b"abcd",
+            tokens=bytes(16),
+            layers=[b"x" * 8, b"x" * 32],
+            payload=payload,
+            reason=Reason.COLD,
+            kv_dtype="float32",
+            context_size=1,
+            now=0,
+        )
 
 
 def parse_all(fd: int, size: int) -> list[bytes]:
@@ -263,7 +324,9 @@ def parse_all(fd: int, size: int) -> list[bytes]:
     return out
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_truncation_and_bit_flips_never_crash_or_return_wrong_pages(tmp_path, data):
     raw = golden_checkpoint(True)
@@ -285,7 +348,8 @@ def test_truncation_and_bit_flips_never_crash_or_return_wrong_pages(tmp_path, da
     finally:
         os.close(fd)
     # Accepted: only the save reason, the mutable statistics (hit count, times, context
-    # size), the zero padding or the text (checked against the file name by the store) may differ; pages, tokens and the tool map are exactly the originals.
+    # size), the zero padding or the text (checked against the file name by the store) may
+    # differ; pages, tokens and the tool map are exactly the originals.
     assert got[1:] == good[1:]
     changed = [i for i in range(len(raw)) if i < len(mutated) and raw[i] != mutated[i]]
     assert len(mutated) == len(raw)
@@ -294,34 +358,46 @@ def test_truncation_and_bit_flips_never_crash_or_return_wrong_pages(tmp_path, da
     offsets = read_meta(meta_fd, len(raw)).offsets
     os.close(meta_fd)
     padding = range(offsets.tokens + 4 * 8, offsets.pages)  # zero padding, not checksummed
-    assert all(i == 5 or 12 <= i < 40 or 52 <= i < text_end or i in padding for i in changed), changed
+    assert all(i == 5 or 12 <= i < 40 or 52 <= i < text_end or i in padding for i in changed), (
+        changed
+    )
 
 
 def test_summary_reads_the_walk_key_in_at_most_two_reads(tmp_path, monkeypatch):
     """A start-up scan indexes a file from its first page, plus one read of the payload
     header, checksum table and token ids when the text is longer than a page."""
-    from vllm_kvdisk.storage import fileread as fmt
     from vllm_kvdisk.core.encode import summary_of
     from vllm_kvdisk.core.entry import head_digest
+    from vllm_kvdisk.storage import fileread as fmt
 
     layout = PageLayout("cpu:LBHNC", 4, 2, (1, 4, 2), "float32")
     ids = np.arange(4000, 4012, dtype="<u4")
     layers = [np.zeros((2, 1, 4, 2), "<f4").tobytes() for _ in range(2)]
     for text in (b"short", b"x" * 10000):
         payload = Payload(bytes(32), "ab" * 20, 4, 1, 2, layout, 7)
-        enc = encode_checkpoint(text=text, tokens=ids.tobytes(), layers=layers, payload=payload,
-                                reason=Reason.EVICT, kv_dtype="float32", context_size=1, now=0)
+        enc = encode_checkpoint(
+            text=text,
+            tokens=ids.tobytes(),
+            layers=layers,
+            payload=payload,
+            reason=Reason.EVICT,
+            kv_dtype="float32",
+            context_size=1,
+            now=0,
+        )
         raw = b"".join(bytes(b) for b in enc.buffers)
         fd = write(tmp_path, raw)
         calls = []
         real = os.pread
-        monkeypatch.setattr(fmt.os, "pread", lambda *a: calls.append(a) or real(*a))
+        monkeypatch.setattr(
+            fmt.os, "pread", lambda *a, calls=calls, real=real: calls.append(a) or real(*a)
+        )
         sm = fmt.read_summary(fd, len(raw))
         monkeypatch.setattr(fmt.os, "pread", real)
         assert len(calls) == (1 if len(text) < 100 else 2)
         assert sm.head == head_digest(ids, 4, 4) == enc.head
         assert sm == summary_of(enc)
-        assert raw[sm.ids_at:sm.ids_at + 48] == ids.tobytes()
+        assert raw[sm.ids_at : sm.ids_at + 48] == ids.tobytes()
         os.close(fd)
 
 
@@ -346,15 +422,22 @@ def test_a_huge_or_sparse_tool_map_is_rejected_before_it_is_read(tmp_path, monke
 
 def test_summary_of_a_delta_whose_first_block_is_past_the_first_page(tmp_path):
     """A short text but a deep parent: the head is read on its own, the digest is kept."""
-    from vllm_kvdisk.storage.fileread import read_summary
     from vllm_kvdisk.core.encode import summary_of
+    from vllm_kvdisk.storage.fileread import read_summary
 
     layout = PageLayout("cpu:LBHNC", 16, 1, (1, 16, 1), "float32")
     ids = np.arange(2048, dtype="<u4")  # ids of a 2048-token prefix: 8 KiB, past 4 KiB
     payload = Payload(bytes(32), "cd" * 20, 2032, 127, 1, layout, 99)
-    enc = encode_checkpoint(text=b"tiny", tokens=ids.tobytes(), layers=[bytes(64)],
-                            payload=payload, reason=Reason.EVICT, kv_dtype="float32",
-                            context_size=1, now=0)
+    enc = encode_checkpoint(
+        text=b"tiny",
+        tokens=ids.tobytes(),
+        layers=[bytes(64)],
+        payload=payload,
+        reason=Reason.EVICT,
+        kv_dtype="float32",
+        context_size=1,
+        now=0,
+    )
     raw = b"".join(bytes(b) for b in enc.buffers)
     fd = write(tmp_path, raw)
     try:
@@ -366,15 +449,22 @@ def test_summary_of_a_delta_whose_first_block_is_past_the_first_page(tmp_path):
 def test_summary_of_a_long_root_reads_its_first_block_not_every_id(tmp_path, monkeypatch):
     """The index needs the first owned block's ids (the head); a scan of a 131k-token
     root past the first page used to read all 512 KiB of its ids."""
-    from vllm_kvdisk.storage.fileread import read_summary
     from vllm_kvdisk.core.encode import summary_of
+    from vllm_kvdisk.storage.fileread import read_summary
 
     layout = PageLayout("cpu:LBHNC", 16, 1, (1, 16, 1), "float32")
     ids = np.arange(131072, dtype="<u4")
     payload = Payload(bytes(32), None, 0, 0, 131072 // 16, layout, 99)
-    enc = encode_checkpoint(text=b"x" * 5000, tokens=ids.tobytes(),
-                            layers=[bytes(64 * (131072 // 16))], payload=payload,
-                            reason=Reason.EVICT, kv_dtype="float32", context_size=1, now=0)
+    enc = encode_checkpoint(
+        text=b"x" * 5000,
+        tokens=ids.tobytes(),
+        layers=[bytes(64 * (131072 // 16))],
+        payload=payload,
+        reason=Reason.EVICT,
+        kv_dtype="float32",
+        context_size=1,
+        now=0,
+    )
     raw = b"".join(bytes(b) for b in enc.buffers)
     fd = write(tmp_path, raw)
     asked = []

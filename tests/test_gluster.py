@@ -179,7 +179,6 @@ def test_verify_through_one_mount_while_the_other_saves_and_evicts(replicas):
     assert all(r.ok for r in reports), [r.problems for r in reports if not r.ok]
 
 
-
 def test_a_namespace_removed_and_made_again_through_the_other_mount_takes_saves(replicas):
     """reset_cache (or kvdisk rm) through one client renames the namespace away and deletes
     it, and that client's next save makes it again. The other client's descriptor of the
@@ -201,8 +200,10 @@ def test_a_namespace_removed_and_made_again_through_the_other_mount_takes_saves(
             failures.append(exc)
             time.sleep(0.1)
     assert landed is not None, f"{len(failures)} saves failed: {failures[-1]}"
-    assert all(getattr(f, "errno", None) == errno.ESTALE or getattr(f, "reason", "") ==
-               "namespace_removed" for f in failures), failures
+    assert all(
+        getattr(f, "errno", None) == errno.ESTALE or getattr(f, "reason", "") == "namespace_removed"
+        for f in failures
+    ), failures
     fresh = Store(b.root, space_bytes=1 << 30)
     fresh.scan()
     assert sorted(e.sha1 for e in fresh.index.entries()) == sorted([theirs.sha1, landed.sha1])

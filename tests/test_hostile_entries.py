@@ -20,7 +20,7 @@ import struct
 import subprocess
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -29,16 +29,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from synth import FP, make, planner, prompt, save
 
-from vllm_kvdisk.storage import fsdir
-from vllm_kvdisk.ops.cli import main
-from vllm_kvdisk.storage.fileread import read_meta, read_summary
-from vllm_kvdisk.core.format import HEADER, PAYLOAD_FIXED, FormatError, PageLayout, Payload, Reason
 from vllm_kvdisk.core.encode import encode_checkpoint
 from vllm_kvdisk.core.entry import Entry
+from vllm_kvdisk.core.format import HEADER, PAYLOAD_FIXED, FormatError, PageLayout, Payload, Reason
 from vllm_kvdisk.core.index import Index
-from vllm_kvdisk.storage.store import Store
+from vllm_kvdisk.ops.cli import main
 from vllm_kvdisk.ops.trace import Trace
 from vllm_kvdisk.ops.trace import read as read_trace
+from vllm_kvdisk.storage import fsdir
+from vllm_kvdisk.storage.fileread import read_meta, read_summary
+from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.storage.verify import verify
 
 HANG = pytest.mark.timeout(20)  # a blocking open of a FIFO never returns: fail, not stall
@@ -99,6 +99,7 @@ def no_traceback(capsys, *argv) -> tuple[int, str, str]:
 
 # -- special files under every reader -------------------------------------------------
 
+
 @HANG
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_special_temp_file_never_hangs_a_scan_a_save_or_verify(tmp_path, kind):
@@ -139,9 +140,8 @@ def test_a_special_file_in_place_of_an_indexed_checkpoint_is_a_miss(tmp_path, ki
     hit = planner(store).lookup(ns, other, 399)
     assert [e.sha1 for e in hit.chain] == [root.sha1]
     store.touch(ns, child.sha1)
-    with pytest.raises(OSError):
-        with store.open(ns, child.sha1):
-            pass
+    with pytest.raises(OSError), store.open(ns, child.sha1):
+        pass
     assert not store.quarantine(ns, child.sha1, "checksum mismatch", inode=entry.inode)
     assert os.path.lexists(path) and store.quarantined_files() == []
     store.refresh(ns, force=True)
@@ -152,8 +152,9 @@ def test_a_special_file_in_place_of_an_indexed_checkpoint_is_a_miss(tmp_path, ki
 
 @HANG
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_special_file_swapped_in_after_the_listing_is_skipped_by_the_scan(tmp_path, kind,
-                                                                             monkeypatch):
+def test_a_special_file_swapped_in_after_the_listing_is_skipped_by_the_scan(
+    tmp_path, kind, monkeypatch
+):
     """The listing said regular file; by the time the scan opens it, it is a FIFO."""
     store, ns = make(tmp_path)
     plan, _ = save(store, ns, prompt(3), 48, np.random.default_rng(0))
@@ -223,8 +224,9 @@ def test_a_fifo_in_place_of_a_tool_call_log_never_hangs_the_reader(tmp_path, mon
     logs = os.path.join(root, DIRNAME)
     victim = next(n for n in os.listdir(logs) if n.endswith(".ktl"))
     real_scandir = os.scandir
-    monkeypatch.setattr(os, "scandir",
-                        scandir_then(lambda entries: plant(os.path.join(logs, victim), "fifo")))
+    monkeypatch.setattr(
+        os, "scandir", scandir_then(lambda entries: plant(os.path.join(logs, victim), "fifo"))
+    )
     assert reader.poll() == []
     monkeypatch.setattr(os, "scandir", real_scandir)
     os.utime(os.path.join(logs, victim), (0, 0), follow_symlinks=False)
@@ -253,12 +255,13 @@ def test_a_hard_link_is_read_but_never_written_through(tmp_path):
 
 # -- restore --------------------------------------------------------------------------
 
+
 @HANG
 @pytest.mark.parametrize("kind", ["fifo", "device"])
-def test_a_special_file_in_a_chain_being_restored_is_recomputed_not_quarantined(tmp_path,
-                                                                                kind):
+def test_a_special_file_in_a_chain_being_restored_is_recomputed_not_quarantined(tmp_path, kind):
     torch = pytest.importorskip("torch")
     import workers
+
     from vllm_kvdisk.connector.jobs import LoadFile
 
     torch.manual_seed(0)
@@ -335,39 +338,85 @@ def test_a_hostile_namespace_json_never_stops_eviction_or_the_cli(tmp_path, case
         now[0] += 10
         save(store, ns, prompt(20 + i), 48, rng)
     assert store.stats.evicted >= 2 and store.stats.written == 3
-    for argv in (("ls", store.root), ("ls", store.root, "--json"), ("stats", store.root),
-                 ("stats", store.root, "--json"), ("gc", store.root, "--to-mb", "1000"),
-                 ("rm", store.root, "--model", "nobody")):
+    for argv in (
+        ("ls", store.root),
+        ("ls", store.root, "--json"),
+        ("stats", store.root),
+        ("stats", store.root, "--json"),
+        ("gc", store.root, "--to-mb", "1000"),
+        ("rm", store.root, "--model", "nobody"),
+    ):
         code, _, _ = no_traceback(capsys, *argv)
         assert code in (0, 2)
     code, out, _ = no_traceback(capsys, "rm", store.root, "--namespace", foreign)
     assert code == 0 and not os.path.lexists(os.path.join(store.root, foreign))
 
 
-_scalars = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True)
-            | st.text(max_size=20))
-_json = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4)
-                     | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=20)
-_keys = st.sampled_from(["tp_size", "tp_rank", "model", "revision", "digest", "kv_dtype",
-                         "block_size", "lora", "salt_digest", "format_version"])
+_scalars = (
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20)
+)
+_json = st.recursive(
+    _scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+_keys = st.sampled_from(
+    [
+        "tp_size",
+        "tp_rank",
+        "model",
+        "revision",
+        "digest",
+        "kv_dtype",
+        "block_size",
+        "lora",
+        "salt_digest",
+        "format_version",
+    ]
+)
 
 
 def _info_bytes():
     as_json = st.builds(lambda v: json.dumps(v).encode(), _json)
     ours_ish = st.builds(lambda d: json.dumps(d).encode(), st.dictionaries(_keys, _json))
-    nested = st.builds(lambda n, v: b"[" * n + json.dumps(v).encode() + b"]" * n,
-                       st.integers(0, 5000), _scalars)
+    nested = st.builds(
+        lambda n, v: b"[" * n + json.dumps(v).encode() + b"]" * n, st.integers(0, 5000), _scalars
+    )
     mangled = st.builds(lambda b, cut: b[:cut], ours_ish, st.integers(0, 200))
-    return st.one_of(st.binary(max_size=300), as_json, ours_ish, nested, mangled,
-                     st.builds(lambda s: b'{"tp_size": ' + s.encode() + b"}",
-                               st.sampled_from(["1e400", "-1e400", "NaN", "Infinity", "2.5",
-                                                "true", '"2"', "null", "9" * 4400,
-                                                "[2]", "{}"])))
+    return st.one_of(
+        st.binary(max_size=300),
+        as_json,
+        ours_ish,
+        nested,
+        mangled,
+        st.builds(
+            lambda s: b'{"tp_size": ' + s.encode() + b"}",
+            st.sampled_from(
+                [
+                    "1e400",
+                    "-1e400",
+                    "NaN",
+                    "Infinity",
+                    "2.5",
+                    "true",
+                    '"2"',
+                    "null",
+                    "9" * 4400,
+                    "[2]",
+                    "{}",
+                ]
+            ),
+        ),
+    )
 
 
-@settings(max_examples=150, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                 HealthCheck.too_slow])
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(raw=_info_bytes())
 def test_fuzz_namespace_json_through_every_reader(tmp_path_factory, raw):
     from vllm_kvdisk.ops.cli import namespace_label
@@ -391,6 +440,7 @@ def test_fuzz_namespace_json_through_every_reader(tmp_path_factory, raw):
 
 
 # -- the codec's parse ---------------------------------------------------------------
+
 
 def _sound_file(tmp_path, text_len: int = 64) -> bytes:
     store, ns = make(tmp_path)
@@ -418,10 +468,15 @@ def test_read_summary_of_a_long_text_and_a_tiny_payload_is_a_format_error(tmp_pa
     header = HEADER.pack(b"KVC", 1, 1, 1, 0, 16, 0, 8192, 0, 0, payload_bytes)
     # magic, version, fixed length, namespace, no parent, parent tokens 0, block 16,
     # first block 0, 1 block, 1 layer: sound as far as it goes, then cut at 100 bytes.
-    fixed = struct.pack("<4sHH32s20sIIIII", b"KVDP", 1, PAYLOAD_FIXED.size, bytes(32),
-                        bytes(20), 0, 16, 0, 1, 1)
-    raw = (header + len(text).to_bytes(4, "little") + text
-           + (fixed + bytes(payload_bytes))[:payload_bytes])
+    fixed = struct.pack(
+        "<4sHH32s20sIIIII", b"KVDP", 1, PAYLOAD_FIXED.size, bytes(32), bytes(20), 0, 16, 0, 1, 1
+    )
+    raw = (
+        header
+        + len(text).to_bytes(4, "little")
+        + text
+        + (fixed + bytes(payload_bytes))[:payload_bytes]
+    )
     path = tmp_path / "tiny.kv"
     path.write_bytes(raw)
     fd = os.open(path, os.O_RDONLY)
@@ -434,8 +489,9 @@ def test_read_summary_of_a_long_text_and_a_tiny_payload_is_a_format_error(tmp_pa
         os.close(fd)
 
 
-@settings(max_examples=300, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_fuzz_the_opening_parse_raises_only_format_errors(tmp_path_factory, data):
     base = tmp_path_factory.getbasetemp() / "sound.kv"
@@ -445,19 +501,20 @@ def test_fuzz_the_opening_parse_raises_only_format_errors(tmp_path_factory, data
     for _ in range(data.draw(st.integers(0, 6))):
         at = data.draw(st.integers(0, len(raw) - 1))
         width = data.draw(st.sampled_from([1, 2, 4, 8]))
-        raw[at:at + width] = data.draw(st.binary(min_size=width, max_size=width))
+        raw[at : at + width] = data.draw(st.binary(min_size=width, max_size=width))
     if data.draw(st.booleans()):  # a payload too short for what it claims to hold
         raw[40:48] = data.draw(st.integers(0, 400)).to_bytes(8, "little")
     if data.draw(st.booleans()):  # a long text pushes the payload out of the first page
         grow = data.draw(st.integers(0, 9000))
         text_len = int.from_bytes(raw[48:52], "little")
         raw[48:52] = (text_len + grow).to_bytes(4, "little")
-        raw[52 + text_len:52 + text_len] = bytes(grow)
-    raw = raw[:data.draw(st.integers(0, len(raw)))]
+        raw[52 + text_len : 52 + text_len] = bytes(grow)
+    raw = raw[: data.draw(st.integers(0, len(raw)))]
     _parse(bytes(raw), tmp_path_factory.mktemp("fuzz"), "f.kv")
 
 
 # -- huge sparse files ----------------------------------------------------------------
+
 
 def _sparse_checkpoint(directory: str, layer_gib: int) -> str:
     """A sound checkpoint (every checksum right) whose layers are ``layer_gib`` GiB of
@@ -469,10 +526,17 @@ def _sparse_checkpoint(directory: str, layer_gib: int) -> str:
     ids = np.arange(tokens, dtype="<u4").tobytes()
     text = b"sparse " * (tokens // 7 + 1)
     zeros = bytes(layout.page_bytes * blocks)  # calloc: never touched, takes no memory
-    payload = Payload(bytes(32), None, 0, 0, blocks, layout,
-                      xxhash.xxh3_64_intdigest(ids))
-    enc = encode_checkpoint(text=text, tokens=ids, layers=[zeros, zeros], payload=payload,
-                            reason=Reason.COLD, kv_dtype="float32", context_size=8192, now=1)
+    payload = Payload(bytes(32), None, 0, 0, blocks, layout, xxhash.xxh3_64_intdigest(ids))
+    enc = encode_checkpoint(
+        text=text,
+        tokens=ids,
+        layers=[zeros, zeros],
+        payload=payload,
+        reason=Reason.COLD,
+        kv_dtype="float32",
+        context_size=8192,
+        now=1,
+    )
     name = hashlib.sha1(text).hexdigest() + ".kv"
     path = os.path.join(directory, name)
     with open(path, "wb") as fh:
@@ -493,15 +557,26 @@ def test_verify_reads_a_huge_sparse_file_in_bounded_memory(tmp_path):
     def cap() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    for argv in (["verify", store.root], ["verify", store.root, "--json"],
-                 ["inspect", path], ["ls", store.root], ["stats", store.root]):
-        out = subprocess.run([sys.executable, "-m", "vllm_kvdisk.ops.cli", *argv],
-                             capture_output=True, text=True, preexec_fn=cap, timeout=300)
+    for argv in (
+        ["verify", store.root],
+        ["verify", store.root, "--json"],
+        ["inspect", path],
+        ["ls", store.root],
+        ["stats", store.root],
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "vllm_kvdisk.ops.cli", *argv],
+            capture_output=True,
+            text=True,
+            preexec_fn=cap,
+            timeout=300,
+        )
         assert out.returncode == 0 and "Traceback" not in out.stderr, (argv, out.stderr)
     assert verify(Store(store.root, space_bytes=1 << 40, readonly=True)).checked == 1
 
 
 # -- long chains ----------------------------------------------------------------------
+
 
 def _chain_index(depth: int, block: int = 16) -> tuple[Index, np.ndarray]:
     """An index holding one chain of ``depth`` one-block files (no files needed: whole
@@ -512,10 +587,25 @@ def _chain_index(depth: int, block: int = 16) -> tuple[Index, np.ndarray]:
     for i in range(depth):
         end = (i + 1) * block
         sha1 = hashlib.sha1(f"f{i}".encode()).hexdigest()
-        head = xxhash.xxh3_64_intdigest(ids[i * block:end].tobytes())
+        head = xxhash.xxh3_64_intdigest(ids[i * block : end].tobytes())
         digest = xxhash.xxh3_64_intdigest(ids[:end].tobytes())
-        index.add(Entry("ns", sha1, end, parent, i * block, Reason.COLD, 0, 0, 0, 4096,
-                        digest, head, inode=i + 1))
+        index.add(
+            Entry(
+                "ns",
+                sha1,
+                end,
+                parent,
+                i * block,
+                Reason.COLD,
+                0,
+                0,
+                0,
+                4096,
+                digest,
+                head,
+                inode=i + 1,
+            )
+        )
         parent = sha1
     return index, ids
 
@@ -548,8 +638,8 @@ def test_the_orphan_pass_is_linear_in_the_files():
 
 # -- quarantine identity --------------------------------------------------------------
 
-def test_quarantine_never_moves_a_replacement_renamed_into_place_meanwhile(tmp_path,
-                                                                           monkeypatch):
+
+def test_quarantine_never_moves_a_replacement_renamed_into_place_meanwhile(tmp_path, monkeypatch):
     """The check (is it still the file we read?) and the rename happen under ROOT/.lock,
     the lock every writer renames under: a sound replacement written by another replica
     between them lands after the move and stays."""

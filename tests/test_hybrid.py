@@ -12,8 +12,20 @@ B, W = 128, 256  # the tiny Gemma 3: block 128, window 256 (a hit needs 2 blocks
 
 
 def entry(parent_tokens: int, tokens: int, name: str = "f") -> Entry:
-    return Entry("ns", f"{name}{tokens}", tokens, None if not parent_tokens else "p",
-                 parent_tokens, Reason.COLD, 0, 0, 0, 1, 0, 0)
+    return Entry(
+        "ns",
+        f"{name}{tokens}",
+        tokens,
+        None if not parent_tokens else "p",
+        parent_tokens,
+        Reason.COLD,
+        0,
+        0,
+        0,
+        1,
+        0,
+        0,
+    )
 
 
 def lookup(*segments: tuple[int, int, int]) -> Lookup:
@@ -70,23 +82,36 @@ def test_the_device_hit_covers_what_it_holds():
 
 
 def info(spec: str, **kw) -> GroupInfo:
-    return GroupInfo(spec, kw.pop("layers", 2), kw.pop("block", B), kw.pop("page", ("f32", 2, 64)),
-                     **kw)
+    return GroupInfo(
+        spec, kw.pop("layers", 2), kw.pop("block", B), kw.pop("page", ("f32", 2, 64)), **kw
+    )
 
 
 def test_full_and_window_groups_are_served():
-    groups = kv_groups([info("SlidingWindowSpec", window=W), info("SlidingWindowSpec", window=W),
-                        info("FullAttentionSpec", full=True)])
-    assert groups == (Group(GroupKind.WINDOW, 2, W), Group(GroupKind.WINDOW, 2, W),
-                      Group(GroupKind.FULL, 2))
+    groups = kv_groups(
+        [
+            info("SlidingWindowSpec", window=W),
+            info("SlidingWindowSpec", window=W),
+            info("FullAttentionSpec", full=True),
+        ]
+    )
+    assert groups == (
+        Group(GroupKind.WINDOW, 2, W),
+        Group(GroupKind.WINDOW, 2, W),
+        Group(GroupKind.FULL, 2),
+    )
     assert groups_signature(groups) == "/Gw256x2,w256x2,fx2"
     assert groups_signature((Group(GroupKind.FULL, 4),)) == ""  # the layout it always had
 
 
-@pytest.mark.parametrize("spec,words", [("MambaSpec", "Mamba / linear-attention states in "
-                                                      "vLLM's mamba cache mode 'none'"),
-                                        ("ChunkedLocalAttentionSpec", "chunked local"),
-                                        ("SinkFullAttentionSpec", "SinkFullAttentionSpec")])
+@pytest.mark.parametrize(
+    "spec,words",
+    [
+        ("MambaSpec", "Mamba / linear-attention states in vLLM's mamba cache mode 'none'"),
+        ("ChunkedLocalAttentionSpec", "chunked local"),
+        ("SinkFullAttentionSpec", "SinkFullAttentionSpec"),
+    ],
+)
 def test_state_and_other_groups_are_refused_with_the_reason(spec, words):
     with pytest.raises(UnsupportedConfig, match=words):
         kv_groups([info(spec), info("FullAttentionSpec", full=True)])
@@ -94,8 +119,9 @@ def test_state_and_other_groups_are_refused_with_the_reason(spec, words):
 
 def test_groups_of_another_page_geometry_are_refused():
     with pytest.raises(UnsupportedConfig, match="same page geometry"):
-        kv_groups([info("FullAttentionSpec", full=True),
-                   info("SlidingWindowSpec", window=W, block=64)])
+        kv_groups(
+            [info("FullAttentionSpec", full=True), info("SlidingWindowSpec", window=W, block=64)]
+        )
 
 
 def test_vllm_specs_are_read_as_their_kind():
@@ -106,24 +132,40 @@ def test_vllm_specs_are_read_as_their_kind():
     from vllm_kvdisk.connector.wiring import group_info
 
     full = FullAttentionSpec(block_size=B, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    window = SlidingWindowSpec(block_size=B, num_kv_heads=2, head_size=64, dtype=torch.float32,
-                               sliding_window=W)
+    window = SlidingWindowSpec(
+        block_size=B, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=W
+    )
     assert kv_groups([group_info(window, 2), group_info(full, 2)]) == (
-        Group(GroupKind.WINDOW, 2, W), Group(GroupKind.FULL, 2))
+        Group(GroupKind.WINDOW, 2, W),
+        Group(GroupKind.FULL, 2),
+    )
     # A Mamba state padded to the attention page (vLLM's align mode) is a state group;
     # the same unpadded, or in another cache mode, is refused.
     page = full.page_size_bytes
-    mamba = MambaSpec(block_size=B, shapes=((4, 8), (2, 2)), dtypes=(torch.bfloat16, torch.float32),
-                      mamba_cache_mode="align", page_size_padded=page)
+    mamba = MambaSpec(
+        block_size=B,
+        shapes=((4, 8), (2, 2)),
+        dtypes=(torch.bfloat16, torch.float32),
+        mamba_cache_mode="align",
+        page_size_padded=page,
+    )
     info = group_info(mamba, 2)
     assert info.state == (((4, 8), "bfloat16"), ((2, 2), "float32")) and info.page_bytes == page
-    assert kv_groups([info, group_info(full, 2)]) == (Group(GroupKind.STATE, 2),
-                                                       Group(GroupKind.FULL, 2))
-    unpadded = MambaSpec(block_size=B, shapes=((4, 8),), dtypes=(torch.float32,),
-                         mamba_cache_mode="align")
+    assert kv_groups([info, group_info(full, 2)]) == (
+        Group(GroupKind.STATE, 2),
+        Group(GroupKind.FULL, 2),
+    )
+    unpadded = MambaSpec(
+        block_size=B, shapes=((4, 8),), dtypes=(torch.float32,), mamba_cache_mode="align"
+    )
     with pytest.raises(UnsupportedConfig, match="aligned layout"):
         kv_groups([group_info(unpadded, 2), group_info(full, 2)])
-    other_mode = MambaSpec(block_size=B, shapes=((4, 8),), dtypes=(torch.float32,),
-                           mamba_cache_mode="all", page_size_padded=page)
+    other_mode = MambaSpec(
+        block_size=B,
+        shapes=((4, 8),),
+        dtypes=(torch.float32,),
+        mamba_cache_mode="all",
+        page_size_padded=page,
+    )
     with pytest.raises(UnsupportedConfig, match="mamba cache mode 'all'"):
         kv_groups([group_info(other_mode, 2), group_info(full, 2)])

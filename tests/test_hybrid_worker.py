@@ -28,8 +28,12 @@ def hybrid(tmp_path):
         # the groups' layers alias one buffer, as vLLM lays them out: never de-duplicated
         shared = torch.rand(BLOCKS, 2, BLOCK, 8)
         caches = {"w0": shared, "w1": torch.rand(BLOCKS, 2, BLOCK, 8), "f0": shared}
-        place = Placement(layer_names=tuple(n for g in NAMES for n in g), num_blocks=BLOCKS,
-                          groups=GROUPS, group_layers=NAMES)
+        place = Placement(
+            layer_names=tuple(n for g in NAMES for n in g),
+            num_blocks=BLOCKS,
+            groups=GROUPS,
+            group_layers=NAMES,
+        )
         w = make_worker(tmp_path, caches, placement=place, name=name, kv_disk_io_threads=2)
         made.append(w)
         return w, caches
@@ -77,8 +81,9 @@ def test_save_copies_window_pages_first_and_restores_each_group(hybrid):
     before = {name: t.clone() for name, t in caches2.items()}
     new_window = [0] * 7 + [31, 32, 33]
     new_full = list(range(1, 11))
-    load = load_job(ids, [LoadFile(job.plan.sha1, 0, 160, 160, ranges=((7, 10), (0, 10)))],
-                    0, new_full)
+    load = load_job(
+        ids, [LoadFile(job.plan.sha1, 0, 160, 160, ranges=((7, 10), (0, 10)))], 0, new_full
+    )
     load.groups = [new_window, new_full]
     w2.start_load_kv(StepMeta(loads=[load]))
     w2.loads.pending["r"][0].result(timeout=30)
@@ -94,8 +99,9 @@ def test_save_copies_window_pages_first_and_restores_each_group(hybrid):
 def test_a_failed_load_on_a_hybrid_model_is_reported_per_request(hybrid):
     w, _ = hybrid()
     ids = np.arange(160, dtype="<u4")
-    load = load_job(ids, [LoadFile("0" * 40, 0, 160, 160, ranges=((7, 10), (0, 10)))], 0,
-                    list(range(1, 11)))
+    load = load_job(
+        ids, [LoadFile("0" * 40, 0, 160, 160, ranges=((7, 10), (0, 10)))], 0, list(range(1, 11))
+    )
     load.groups = [[0] * 7 + [31, 32, 33], list(range(1, 11))]
     w.start_load_kv(StepMeta(loads=[load]))
     w.loads.pending["r"][0].result(timeout=30)

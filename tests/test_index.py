@@ -2,8 +2,8 @@
 
 from synth import BLOCK, Disk, ids_of
 
-from vllm_kvdisk.core.format import Reason
 from vllm_kvdisk.core.entry import Entry, head_digest
+from vllm_kvdisk.core.format import Reason
 from vllm_kvdisk.core.index import Index, Miss
 from vllm_kvdisk.core.keys import token_digest
 
@@ -49,7 +49,9 @@ def test_a_sibling_session_gets_the_blocks_it_shares_inside_a_file():
     assert spans(got) == [("a", 0, 144), ("b", 144, 304)]
     assert d.index.chain("n", "b") == [d.index.get("n", "a"), d.index.get("n", "b")]
     assert [(s.entry.sha1, s.upto) for s in Index.segments_of(d.index.chain("n", "b"))] == [
-        ("a", 144), ("b", 304)]
+        ("a", 144),
+        ("b", 304),
+    ]
     # ...and A still finds all of its own file.
     assert spans(d.lookup(a)) == [("a", 0, 320)]
 
@@ -72,7 +74,9 @@ def test_same_first_block_two_files_the_deeper_path_wins():
     d.add("kid", a, 128, "short", 64)
     got = d.lookup(a)
     assert got.tokens == 256 and spans(got) == [("long", 0, 256)]
-    assert d.lookup(a, 140).tokens == 128 and len(d.lookup(a, 140).segments) == 1  # fewer files on ties
+    assert (
+        d.lookup(a, 140).tokens == 128 and len(d.lookup(a, 140).segments) == 1
+    )  # fewer files on ties
 
 
 def test_other_namespace_and_pending_saves():
@@ -81,8 +85,21 @@ def test_other_namespace_and_pending_saves():
     d.add("x", a, 64, ns="other")
     got = d.lookup(a)
     assert got.miss is Miss.OTHER_NAMESPACE and got.other_namespaces == ("other",)
-    e = Entry("n", "p", 96, None, 0, Reason.COLD, 0, 0, 0, 0, token_digest(a[:96]),
-              head_digest(a, 0, BLOCK), ids=a[:96])
+    e = Entry(
+        "n",
+        "p",
+        96,
+        None,
+        0,
+        Reason.COLD,
+        0,
+        0,
+        0,
+        0,
+        token_digest(a[:96]),
+        head_digest(a, 0, BLOCK),
+        ids=a[:96],
+    )
     assert d.index.reserve(e) and not d.index.reserve(e)
     assert d.lookup(a).tokens == 0  # pending: never a lookup hit
     assert d.lookup(a, include_pending=True).tokens == 96  # but a parent for save planning

@@ -13,6 +13,7 @@ import weakref
 import numpy as np
 import pytest
 
+from tests.synth import FP, make, prompt, save
 from vllm_kvdisk.core.changes import JournalError, row_entry
 from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage import scan as scan_mod
@@ -20,12 +21,25 @@ from vllm_kvdisk.storage import startup as startup_mod
 from vllm_kvdisk.storage.directory import NS_NAME
 from vllm_kvdisk.storage.journal import NAME
 from vllm_kvdisk.storage.store import Store
-from tests.synth import FP, make, prompt, save
 
 
 def view(store: Store) -> set[tuple]:
-    return {(e.ns, e.sha1, e.tokens, e.parent, e.parent_tokens, e.size, e.inode, e.mtime_ns,
-             e.token_digest, e.head, e.ids_at) for e in store.index.entries()}
+    return {
+        (
+            e.ns,
+            e.sha1,
+            e.tokens,
+            e.parent,
+            e.parent_tokens,
+            e.size,
+            e.inode,
+            e.mtime_ns,
+            e.token_digest,
+            e.head,
+            e.ids_at,
+        )
+        for e in store.index.entries()
+    }
 
 
 def truth(root: str) -> set[tuple]:
@@ -54,13 +68,17 @@ class Counted:
         real_read, real_scandir = scan_mod.read_indexable, os.scandir
 
         def scandir(path=None):
-            if isinstance(path, int) and NS_NAME.match(os.path.basename(
-                    os.readlink(f"/proc/self/fd/{path}"))):
+            if isinstance(path, int) and NS_NAME.match(
+                os.path.basename(os.readlink(f"/proc/self/fd/{path}"))
+            ):
                 self.listed.append(path)
             return real_scandir(path)
 
-        monkeypatch.setattr(scan_mod, "read_indexable",
-                            lambda fd, sha1: (self.read.append(sha1), real_read(fd, sha1))[1])
+        monkeypatch.setattr(
+            scan_mod,
+            "read_indexable",
+            lambda fd, sha1: (self.read.append(sha1), real_read(fd, sha1))[1],
+        )
         monkeypatch.setattr(os, "scandir", scandir)
 
 
@@ -96,8 +114,9 @@ def test_what_the_journal_missed_is_found_by_the_listing_after_a_start(tmp_path,
     assert view(b) == truth(a.root)
 
 
-@pytest.mark.parametrize("damage", ["garbage", "torn snapshot", "foreign version", "fifo",
-                                    "symlink", "bad entry", "gap"])
+@pytest.mark.parametrize(
+    "damage", ["garbage", "torn snapshot", "foreign version", "fifo", "symlink", "bad entry", "gap"]
+)
 def test_a_journal_that_cannot_be_trusted_is_not_used(tmp_path, damage):
     """Torn, foreign or hostile: the start scans the directory instead (never a hang on a
     FIFO, never a symlink followed, never an entry of a bad shape), and the index is the
@@ -110,7 +129,7 @@ def test_a_journal_that_cannot_be_trusted_is_not_used(tmp_path, damage):
     if damage == "garbage":
         open(path, "wb").write(b"\x00\xff" * 100)
     elif damage == "torn snapshot":
-        open(path, "wb").write(raw[:len(lines[0]) + 40])
+        open(path, "wb").write(raw[: len(lines[0]) + 40])
     elif damage == "foreign version":
         open(path, "wb").write(raw.replace(b'"kvdisk_journal":1', b'"kvdisk_journal":9', 1))
     elif damage == "fifo":
@@ -193,8 +212,7 @@ def test_a_victim_another_replica_hit_is_read_again_before_it_goes(tmp_path):
     assert b.index.get(ns, hot.sha1).hits == 20
 
 
-def test_a_replica_that_meets_a_gap_lists_then_follows_the_next_snapshot(tmp_path,
-                                                                         monkeypatch):
+def test_a_replica_that_meets_a_gap_lists_then_follows_the_next_snapshot(tmp_path, monkeypatch):
     """A change line that never came (its writer died after counting it): the reader that
     finds the next line cannot chain to it, lists instead of guessing, and follows the
     journal again once a whole store rewrote the snapshot."""
@@ -324,8 +342,9 @@ def test_a_running_store_lists_the_directory_again_in_the_background(tmp_path, m
         fh.write(b"half a checkpoint")
     os.utime(dead, (1, 1))  # older than the grace a live writer gets
     deadline = time.monotonic() + 60  # a wait for the thread, not a measure of it
-    while time.monotonic() < deadline and (b.index.get(ns, unjournaled.sha1) is None
-                                           or os.path.exists(dead)):
+    while time.monotonic() < deadline and (
+        b.index.get(ns, unjournaled.sha1) is None or os.path.exists(dead)
+    ):
         time.sleep(0.05)
     assert b.index.get(ns, unjournaled.sha1) is not None and not os.path.exists(dead)
     b.close()

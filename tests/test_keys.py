@@ -1,4 +1,3 @@
-
 import numpy as np
 import pytest
 from synth import byte_table
@@ -70,11 +69,16 @@ def test_a_scope_names_one_namespace_per_engine_rank():
     rank1 = Fingerprint("m", "r", "float32", "cpu:LBHNC", 128, 2, 1)
     salt = salt_digest("tenant")
     scoped = Namespaces(rank0).fingerprint("adapter", salt)
-    assert scoped == Fingerprint("m", "r", "float32", "cpu:LBHNC", 128, 2, 0, lora="adapter",
-                                 salt_digest=salt)
+    assert scoped == Fingerprint(
+        "m", "r", "float32", "cpu:LBHNC", 128, 2, 0, lora="adapter", salt_digest=salt
+    )
     assert Namespaces(rank0).name("adapter", salt) == scoped.dirname()
-    names = {Namespaces(fp).name(lora, s) for fp in (rank0, rank1) for lora in ("", "adapter")
-             for s in ("", salt)}
+    names = {
+        Namespaces(fp).name(lora, s)
+        for fp in (rank0, rank1)
+        for lora in ("", "adapter")
+        for s in ("", salt)
+    }
     assert len(names) == 8
 
 
@@ -90,8 +94,10 @@ def test_rank_group_joins_the_ranks_of_one_engine_only():
     from vllm_kvdisk.core.keys import Fingerprint, rank_group
 
     fp = Fingerprint("m", "r", "float32", "NHD", 16, 4, 0)
-    info = [{"digest": replace(fp, tp_rank=r).digest().hex(), **asdict(replace(fp, tp_rank=r))}
-            for r in range(4)]
+    info = [
+        {"digest": replace(fp, tp_rank=r).digest().hex(), **asdict(replace(fp, tp_rank=r))}
+        for r in range(4)
+    ]
     assert len({rank_group(i) for i in info}) == 1 and rank_group(info[0]) is not None
     assert rank_group({**info[0], "model": "other"}) != rank_group(info[0])
     assert rank_group({**info[0], "salt_digest": "ab"}) != rank_group(info[0])

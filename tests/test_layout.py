@@ -41,7 +41,7 @@ def imported_modules(name: str, path: pathlib.Path, modules: set[str]) -> set[st
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: from the package this module is in
                 base = name.split(".")
-                base = base[:len(base) - node.level + (1 if is_package else 0)]
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
                 source = ".".join(base + ([node.module] if node.module else []))
             else:
                 source = node.module or ""

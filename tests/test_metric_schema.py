@@ -5,8 +5,15 @@ import re
 
 import vllm_kvdisk
 from vllm_kvdisk.ops import recorder
-from vllm_kvdisk.ops.metricdefs import (COUNTERS, GAUGES, HOOKS, LABELLED, METRIC_NAMES, METRICS,
-                                        SERIES)
+from vllm_kvdisk.ops.metricdefs import (
+    COUNTERS,
+    GAUGES,
+    HOOKS,
+    LABELLED,
+    METRIC_NAMES,
+    METRICS,
+    SERIES,
+)
 
 
 def test_every_guarded_hook_has_its_errors_label():

@@ -14,9 +14,9 @@ import os
 
 import numpy as np
 
+from tests.synth import make, prompt, save
 from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage.store import Store
-from tests.synth import make, prompt, save
 
 
 class Drops:
@@ -76,8 +76,10 @@ def test_a_network_volume_still_reads_what_other_clients_wrote(tmp_path, monkeyp
     replicas_at_work(tmp_path)
     assert (".lock", 0, 0) in drops.calls  # the count, before each holder reads it
     assert any(n == ".journal" for n, _, _ in drops.calls)  # new lines, from the reader's page
-    assert any(n.endswith(".kv") and o == 0 and n_ >= 4096  # a header, before a hit
-               for n, o, n_ in drops.calls)
+    assert any(
+        n.endswith(".kv") and o == 0 and n_ >= 4096  # a header, before a hit
+        for n, o, n_ in drops.calls
+    )
     assert all(offset % fsdir.PAGE == 0 and n % fsdir.PAGE == 0 for _, offset, n in drops.calls)
 
 
@@ -92,13 +94,23 @@ def test_a_drop_covers_every_page_its_range_touches(tmp_path, monkeypatch):
     path.write_bytes(bytes(300_000))
     fd = os.open(path, os.O_RDONLY)
     try:
-        for offset, length in ((0, 4096), (100, 10), (70_000, 0), (65_536, 65_536),
-                               (60_000, 10_000)):
+        for offset, length in (
+            (0, 4096),
+            (100, 10),
+            (70_000, 0),
+            (65_536, 65_536),
+            (60_000, 10_000),
+        ):
             fsdir.drop_cached(fd, offset, length)
     finally:
         os.close(fd)
     assert [(o, n) for _, o, n in drops.calls] == [
-        (0, 65536), (0, 65536), (65536, 0), (65536, 65536), (0, 131072)]
+        (0, 65536),
+        (0, 65536),
+        (65536, 0),
+        (65536, 65536),
+        (0, 131072),
+    ]
 
 
 def test_the_file_system_type_comes_from_the_mount_table(tmp_path, monkeypatch):
@@ -123,8 +135,15 @@ def test_the_file_system_type_comes_from_the_mount_table(tmp_path, monkeypatch):
         table.write_text(f"97 22 {me} / /mnt rw\n")
         assert fsdir._mount_type(fd, str(table)) is None
         assert fsdir._mount_type(fd, str(tmp_path / "missing")) is None
-        for kind, drops in (("nfs4", True), ("ceph", True), ("fuse.glusterfs", True),
-                            (None, True), ("ext4", False), ("xfs", False), ("tmpfs", False)):
+        for kind, drops in (
+            ("nfs4", True),
+            ("ceph", True),
+            ("fuse.glusterfs", True),
+            (None, True),
+            ("ext4", False),
+            ("xfs", False),
+            ("tmpfs", False),
+        ):
             monkeypatch.setattr(fsdir, "fs_type", lambda _fd, k=kind: k)
             assert fsdir.drops_cache(fd) is drops, kind
     finally:

@@ -11,8 +11,8 @@ def test_grid_saves_rebase_on_the_grid_so_chains_stay_shallow():
     so the chain is the grid points plus the tails since the last one."""
     from synth import prompt_of
 
-    from vllm_kvdisk.core.saverules import Grid
     from vllm_kvdisk.core.planner import Planner
+    from vllm_kvdisk.core.saverules import Grid
 
     grid = Grid(256, 32, BLOCK)
     d = Disk()
@@ -22,8 +22,13 @@ def test_grid_saves_rebase_on_the_grid_so_chains_stay_shallow():
     ids = prompt.ids
     for end in range(80, 1800, 80):  # 80 new tokens per turn
         for pos in sorted({grid.floor(end), grid.block_floor(end)} - {0}):
-            plan = planner.plan_save("n", prompt, pos, Reason.COLD,
-                                     spine=grid.is_position if grid.is_position(pos) else None)
+            plan = planner.plan_save(
+                "n",
+                prompt,
+                pos,
+                Reason.COLD,
+                spine=grid.is_position if grid.is_position(pos) else None,
+            )
             if plan is not None:
                 d.add(plan.sha1, ids, pos, plan.parent, plan.parent_tokens)
     got = d.lookup(ids, 1800)

@@ -21,9 +21,14 @@ def record(text="T", args='{"city": "Rome"}', content=None, origin="memory"):
 
 
 def assistant(*ids, args='{"city": "Rome"}', content=None):
-    return {"role": "assistant", "content": content,
-            "tool_calls": [{"id": i, "type": "function",
-                            "function": {"name": "get_weather", "arguments": args}} for i in ids]}
+    return {
+        "role": "assistant",
+        "content": content,
+        "tool_calls": [
+            {"id": i, "type": "function", "function": {"name": "get_weather", "arguments": args}}
+            for i in ids
+        ],
+    }
 
 
 def test_tool_memory_is_an_lru_that_never_grows_past_its_limit():
@@ -47,26 +52,32 @@ def test_only_unchanged_messages_with_known_ids_are_replayed():
     memory = ToolMemory(10)
     memory.put("a", record("A"))
     memory.put("d", record("D", origin="disk"))
-    messages = [{"role": "user", "content": "hi"},
-                assistant("a", args='{ "city" : "Rome" }'),  # JSON-equal: the same call
-                {"role": "tool", "tool_call_id": "a", "content": "sunny"},
-                assistant("a", args='{"city": "Paris"}'),  # the client changed it
-                assistant("a", content="I will look it up."),  # content the model never wrote
-                assistant("zzz"),  # unknown id
-                assistant("a", "zzz"),  # one id unknown: the message is not what was generated
-                assistant("d")]
+    messages = [
+        {"role": "user", "content": "hi"},
+        assistant("a", args='{ "city" : "Rome" }'),  # JSON-equal: the same call
+        {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+        assistant("a", args='{"city": "Paris"}'),  # the client changed it
+        assistant("a", content="I will look it up."),  # content the model never wrote
+        assistant("zzz"),  # unknown id
+        assistant("a", "zzz"),  # one id unknown: the message is not what was generated
+        assistant("d"),
+    ]
     plan = plan_replay(messages, memory, sign=lambda r: None)
     assert [(r.index, r.ids) for r in plan.replays] == [(1, ["a"]), (7, ["d"])]
     assert (plan.from_memory, plan.from_disk, plan.missing, plan.changed) == (1, 1, 2, 3)
     assert plan.summary() == (
         "1 from memory, 1 from disk, 2 missing, 3 changed (as the template renders: "
         "message 3: it differs from what was sampled; message 4: it differs from what was "
-        "sampled; message 5: 1 of 1 call(s) unknown; +1 more)")
+        "sampled; message 5: 1 of 1 call(s) unknown; +1 more)"
+    )
     assert plan.tool_map() == [["a", "A"], ["d", "D"]]
     # A disk record is compared once the server's parser has signed it.
     memory.put("e", ToolRecord("E", None, None, "disk", ("ns", "sha1")))
-    signed = plan_replay([assistant("e")], memory,
-                         sign=lambda r: make_signature(None, [("get_weather", {"city": "Rome"})]))
+    signed = plan_replay(
+        [assistant("e")],
+        memory,
+        sign=lambda r: make_signature(None, [("get_weather", {"city": "Rome"})]),
+    )
     assert [r.ids for r in signed.replays] == [["e"]] and signed.from_disk == 1
     memory.put("f", ToolRecord("F", None, None, "disk", ("ns", "sha1")))
     unparsable = plan_replay([assistant("f")], memory, sign=lambda r: None)

@@ -6,8 +6,8 @@ import os
 from vllm_kvdisk.replay.log import (
     DIRNAME,
     MAGIC,
-    ToolCall,
     Scan,
+    ToolCall,
     ToolLog,
     encode_record,
     newest_calls,
@@ -166,8 +166,10 @@ def test_reading_a_large_log_takes_memory_bounded_by_a_window_not_by_the_log(tmp
 
 def test_records_larger_than_the_read_window_and_across_its_edges_are_read(tmp_path):
     os.makedirs(tmp_path / DIRNAME)
-    calls = [ToolCall((f"id-{i}",), "y" * n, tuple(range(i % 7)))
-             for i, n in enumerate([10, (1 << 20) - 3, 70_000, 1 << 20, 5, 300_000] * 3)]
+    calls = [
+        ToolCall((f"id-{i}",), "y" * n, tuple(range(i % 7)))
+        for i, n in enumerate([10, (1 << 20) - 3, 70_000, 1 << 20, 5, 300_000] * 3)
+    ]
     calls.append(ToolCall(("many-tokens",), "z", tuple(range(1 << 18))))
     with open(tmp_path / DIRNAME / "host-2-dead.ktl", "wb") as fh:
         for c in calls:
@@ -188,9 +190,17 @@ def test_a_fifo_or_a_directory_named_like_a_log_never_blocks_the_reader(tmp_path
     reader = ToolLog(str(tmp_path), "tok", max_ids=10)
     found: list = []
     # Called by name, as a listing that raced with a rename would: no listing filter helps.
-    probe = threading.Thread(target=lambda: found.append(
-        (reader._scan_file("a-fifo.ktl", 0), reader._scan_file("a-dir.ktl", 0), reader.poll(),
-         reader.fold_dead([]))), daemon=True)
+    probe = threading.Thread(
+        target=lambda: found.append(
+            (
+                reader._scan_file("a-fifo.ktl", 0),
+                reader._scan_file("a-dir.ktl", 0),
+                reader.poll(),
+                reader.fold_dead([]),
+            )
+        ),
+        daemon=True,
+    )
     probe.start()
     probe.join(120)  # only a reader stuck for good leaves this join without a result
     assert found == [(None, None, [call(3)], 0)]

@@ -23,65 +23,93 @@ HERMES = (  # Qwen2.5 / Hermes: a newline before each call, none after the heade
     "{% for m in messages %}"
     "{% if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant"
     "{% if m.content %}\n{{ m.content }}{% endif %}"
-    "{% for tc in m.tool_calls %}\n<tool_call>\n{\"name\": \"{{ tc.function.name }}\", "
-    "\"arguments\": {{ tc.function.arguments | tojson }}}\n</tool_call>{% endfor %}"
+    '{% for tc in m.tool_calls %}\n<tool_call>\n{"name": "{{ tc.function.name }}", '
+    '"arguments": {{ tc.function.arguments | tojson }}}\n</tool_call>{% endfor %}'
     "<|im_end|>\n"
     "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
     "</tool_response><|im_end|>\n"
     "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 LLAMA3 = (  # Llama 3.x: a JSON object with "parameters", content trimmed
     "<|begin_of_text|>{% for m in messages %}"
     "<|start_header_id|>{{ 'ipython' if m.role == 'tool' else m.role }}<|end_header_id|>\n\n"
-    "{% if m.tool_calls %}{% for tc in m.tool_calls %}{\"name\": \"{{ tc.function.name }}\", "
-    "\"parameters\": {{ tc.function.arguments | tojson }}}{% endfor %}"
+    '{% if m.tool_calls %}{% for tc in m.tool_calls %}{"name": "{{ tc.function.name }}", '
+    '"parameters": {{ tc.function.arguments | tojson }}}{% endfor %}'
     "{% else %}{{ m.content | trim }}{% endif %}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
 MISTRAL = (  # Mistral: [TOOL_CALLS] with ids; plain content gets a leading space
     "<s>{% for m in messages %}"
     "{% if m.role == 'user' %}[INST] {{ m.content }}[/INST]"
     "{% elif m.role == 'tool' %}[TOOL_RESULTS] {\"content\": {{ m.content | tojson }}, "
-    "\"call_id\": \"{{ m.tool_call_id }}\"}[/TOOL_RESULTS]"
+    '"call_id": "{{ m.tool_call_id }}"}[/TOOL_RESULTS]'
     "{% elif m.tool_calls %}[TOOL_CALLS] [{% for tc in m.tool_calls %}"
-    "{\"name\": \"{{ tc.function.name }}\", \"arguments\": {{ tc.function.arguments | tojson }}, "
-    "\"id\": \"{{ tc.id }}\"}{{ ', ' if not loop.last }}{% endfor %}]</s>"
-    "{% else %} {{ m.content }}</s>{% endif %}{% endfor %}")
+    '{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}, '
+    '"id": "{{ tc.id }}"}{{ \', \' if not loop.last }}{% endfor %}]</s>'
+    "{% else %} {{ m.content }}</s>{% endif %}{% endfor %}"
+)
 DSML = (  # a DSML block (DeepSeek V3.2 style): parameters as tags, no JSON at all
     "<｜begin▁of▁sentence｜>{% for m in messages %}"
     "{% if m.role == 'user' %}<｜User｜>{{ m.content }}"
     "{% elif m.role == 'tool' %}<｜tool▁output▁begin｜>{{ m.content }}<｜tool▁output▁end｜>"
     "{% else %}<｜Assistant｜></think>{{ m.content or '' }}"
     "{% if m.tool_calls %}\n\n<｜DSML｜function_calls>{% for tc in m.tool_calls %}\n"
-    "<｜DSML｜invoke name=\"{{ tc.function.name }}\">"
-    "{% for k, v in tc.function.arguments | dictsort %}\n<｜DSML｜parameter name=\"{{ k }}\" "
-    "string=\"true\">{{ v }}</｜DSML｜parameter>{% endfor %}\n</｜DSML｜invoke>{% endfor %}\n"
+    '<｜DSML｜invoke name="{{ tc.function.name }}">'
+    '{% for k, v in tc.function.arguments | dictsort %}\n<｜DSML｜parameter name="{{ k }}" '
+    'string="true">{{ v }}</｜DSML｜parameter>{% endfor %}\n</｜DSML｜invoke>{% endfor %}\n'
     "</｜DSML｜function_calls>{% endif %}<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<｜Assistant｜></think>{% endif %}")
+    "{% if add_generation_prompt %}<｜Assistant｜></think>{% endif %}"
+)
 
 ROME = {"unit": "c", "city": "Rome"}
 PARIS = {"city": "Paris", "unit": "c"}
 # (template, content the model wrote, calls, the turn exactly as sampled)
 CASES = {
-    "newline before the first call": (HERMES, None, [ROME],
-        '<tool_call>\n{"name":"get_weather","arguments":{"unit":"c","city":"Rome"}}\n</tool_call>'),
-    "content then calls": (HERMES, "Let me check.", [ROME],
+    "newline before the first call": (
+        HERMES,
+        None,
+        [ROME],
+        '<tool_call>\n{"name":"get_weather","arguments":{"unit":"c","city":"Rome"}}\n</tool_call>',
+    ),
+    "content then calls": (
+        HERMES,
+        "Let me check.",
+        [ROME],
         'Let me check.\n\n<tool_call>{"arguments": {"city": "Rome", "unit": "c"}, '
-        '"name": "get_weather"}</tool_call>'),
-    "several calls with separators": (HERMES, None, [ROME, PARIS],
+        '"name": "get_weather"}</tool_call>',
+    ),
+    "several calls with separators": (
+        HERMES,
+        None,
+        [ROME, PARIS],
         '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "c", "city": "Rome"}}\n'
         '</tool_call>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris",'
-        ' "unit": "c"}}\n</tool_call>'),
-    "llama-3.x parameters json": (LLAMA3, None, [ROME],
-        '{"name": "get_weather", "parameters": {"unit":"c", "city":"Rome"}}'),
-    "mistral tool_calls with ids": (MISTRAL, None, [ROME, PARIS],
+        ' "unit": "c"}}\n</tool_call>',
+    ),
+    "llama-3.x parameters json": (
+        LLAMA3,
+        None,
+        [ROME],
+        '{"name": "get_weather", "parameters": {"unit":"c", "city":"Rome"}}',
+    ),
+    "mistral tool_calls with ids": (
+        MISTRAL,
+        None,
+        [ROME, PARIS],
         '[TOOL_CALLS][{"name":"get_weather","arguments":{"unit":"c","city":"Rome"},'
         '"id":"a1B2c3D4e"},{"name":"get_weather","arguments":{"city":"Paris","unit":"c"},'
-        '"id":"f5G6h7I8j"}]'),
-    "dsml block": (DSML, None, [ROME],
+        '"id":"f5G6h7I8j"}]',
+    ),
+    "dsml block": (
+        DSML,
+        None,
+        [ROME],
         '\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
         '<｜DSML｜parameter name="unit" string="true">c</｜DSML｜parameter>\n'
         '<｜DSML｜parameter name="city" string="true">Rome</｜DSML｜parameter>\n'
-        '</｜DSML｜invoke>\n</｜DSML｜function_calls>'),
+        "</｜DSML｜invoke>\n</｜DSML｜function_calls>",
+    ),
 }
 IDS = ["a1B2c3D4e", "f5G6h7I8j"]
 
@@ -93,11 +121,20 @@ def render(template: str, messages: list, add_generation_prompt: bool) -> str:
     for m in messages:  # the renderer json-loads arguments before the template runs
         m = dict(m)
         if m.get("tool_calls"):
-            m["tool_calls"] = [{**tc, "function": {**tc["function"], "arguments":
-                                json.loads(tc["function"]["arguments"])}} for tc in m["tool_calls"]]
+            m["tool_calls"] = [
+                {
+                    **tc,
+                    "function": {
+                        **tc["function"],
+                        "arguments": json.loads(tc["function"]["arguments"]),
+                    },
+                }
+                for tc in m["tool_calls"]
+            ]
         calls_as_dicts.append(m)
-    return env.from_string(template).render(messages=calls_as_dicts,
-                                            add_generation_prompt=add_generation_prompt)
+    return env.from_string(template).render(
+        messages=calls_as_dicts, add_generation_prompt=add_generation_prompt
+    )
 
 
 def encode(text: str) -> list[int]:
@@ -105,14 +142,26 @@ def encode(text: str) -> list[int]:
 
 
 def conversation(content, calls):
-    first = [{"role": "system", "content": "You answer briefly."},
-             {"role": "user", "content": "Weather in Rome and Paris?"}]
-    turn = {"role": "assistant", "content": content, "tool_calls": [
-        {"id": IDS[k], "type": "function",
-         "function": {"name": "get_weather", "arguments": json.dumps(args)}}
-        for k, args in enumerate(calls)]}
-    results = [{"role": "tool", "tool_call_id": IDS[k], "content": f"{20 + k} C"}
-               for k in range(len(calls))]
+    first = [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "Weather in Rome and Paris?"},
+    ]
+    turn = {
+        "role": "assistant",
+        "content": content,
+        "tool_calls": [
+            {
+                "id": IDS[k],
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps(args)},
+            }
+            for k, args in enumerate(calls)
+        ],
+    }
+    results = [
+        {"role": "tool", "tool_call_id": IDS[k], "content": f"{20 + k} C"}
+        for k in range(len(calls))
+    ]
     return first, first + [turn] + results
 
 
@@ -123,9 +172,11 @@ def replayed(template: str, messages: list, memory: ToolMemory, with_opening: bo
     opening = None
     if with_opening:
         user = [{"role": "user", "content": "q"}]
-        opening = turn_opening(render(template, user, True), render(
-            template, user + [{"role": "assistant", "content": sentinels[0]}], False),
-            sentinels[0])
+        opening = turn_opening(
+            render(template, user, True),
+            render(template, user + [{"role": "assistant", "content": sentinels[0]}], False),
+            sentinels[0],
+        )
     return plan, splice(text, sentinels, plan.replays, encode, opening)
 
 
@@ -135,17 +186,20 @@ def test_the_whole_turn_renders_exactly_as_sampled(case):
     first, messages = conversation(content, calls)
     prompt1 = render(template, first, add_generation_prompt=True)  # what the model saw
     memory = ToolMemory(10)
-    record = ToolRecord(sampled, tuple(encode(sampled)), make_signature(
-        content, [("get_weather", json.dumps(a)) for a in calls]))
-    for tid in IDS[:len(calls)]:
+    record = ToolRecord(
+        sampled,
+        tuple(encode(sampled)),
+        make_signature(content, [("get_weather", json.dumps(a)) for a in calls]),
+    )
+    for tid in IDS[: len(calls)]:
         memory.put(tid, record)
     as_usual = render(template, messages, add_generation_prompt=True)
     assert not as_usual.startswith(prompt1 + sampled)  # the template alone loses the hit
     plan, (ids, text) = replayed(template, messages, memory)
     assert len(plan.replays) == 1 and not plan.notes
     assert text.startswith(prompt1 + sampled)
-    assert ids[:len(prompt1) + len(sampled)] == encode(prompt1) + list(record.token_ids)
-    assert ids == encode(text) and "20 C" in text[len(prompt1) + len(sampled):]
+    assert ids[: len(prompt1) + len(sampled)] == encode(prompt1) + list(record.token_ids)
+    assert ids == encode(text) and "20 C" in text[len(prompt1) + len(sampled) :]
 
 
 def test_mistrals_space_before_content_needed_the_turn_opening():
@@ -156,8 +210,11 @@ def test_mistrals_space_before_content_needed_the_turn_opening():
     first, messages = conversation(content, calls)
     prompt1 = render(template, first, add_generation_prompt=True)
     memory = ToolMemory(10)
-    record = ToolRecord(sampled, tuple(encode(sampled)), make_signature(
-        content, [("get_weather", json.dumps(a)) for a in calls]))
+    record = ToolRecord(
+        sampled,
+        tuple(encode(sampled)),
+        make_signature(content, [("get_weather", json.dumps(a)) for a in calls]),
+    )
     for tid in IDS:
         memory.put(tid, record)
     _, (_, without) = replayed(template, messages, memory, with_opening=False)
@@ -170,8 +227,14 @@ def test_a_partly_known_turn_renders_as_the_template_does_and_says_why():
     template, content, calls, sampled = CASES["several calls with separators"]
     _, messages = conversation(content, calls)
     memory = ToolMemory(10)
-    memory.put(IDS[0], ToolRecord(sampled, tuple(encode(sampled)), make_signature(
-        content, [("get_weather", json.dumps(a)) for a in calls])))
+    memory.put(
+        IDS[0],
+        ToolRecord(
+            sampled,
+            tuple(encode(sampled)),
+            make_signature(content, [("get_weather", json.dumps(a)) for a in calls]),
+        ),
+    )
     plan = plan_replay(messages, memory, sign=lambda r: None)
     assert not plan.replays and plan.notes == ["message 2: 1 of 2 call(s) unknown"]
     assert plan.summary().endswith("(as the template renders: message 2: 1 of 2 call(s) unknown)")

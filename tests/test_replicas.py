@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from synth import FP, encode, pages, planner, prompt, prompt_of, save
 
+from vllm_kvdisk.core.format import HEADER_FIELD_HITS, Reason
 from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage import verify as verify_module
 from vllm_kvdisk.storage.budget import SaveSkipped
 from vllm_kvdisk.storage.directory import Directory
-from vllm_kvdisk.core.format import HEADER_FIELD_HITS, Reason
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.storage.verify import verify
 
@@ -45,8 +45,7 @@ def test_a_name_on_disk_is_never_replaced_by_other_content(tmp_path):
     assert os.stat(a.path(ns, root.sha1)).st_ino == inode
     fresh = Store(a.root, space_bytes=1 << 30)
     fresh.scan()
-    assert [e.sha1 for e in planner(fresh).lookup(ns, pa.ids, 112).chain] == [
-        root.sha1, child.sha1]
+    assert [e.sha1 for e in planner(fresh).lookup(ns, pa.ids, 112).chain] == [root.sha1, child.sha1]
     assert not fresh.index.orphans() and verify(fresh).ok
 
 
@@ -73,8 +72,7 @@ def test_a_reused_inode_is_not_mistaken_for_the_file_it_held(tmp_path):
     assert not a.index.orphans() and verify(a).ok
 
 
-def test_verify_fix_decides_orphans_from_the_directory_as_it_is_at_the_end(tmp_path,
-                                                                           monkeypatch):
+def test_verify_fix_decides_orphans_from_the_directory_as_it_is_at_the_end(tmp_path, monkeypatch):
     """A long checksum pass runs outside the lock. A parent another replica saves again
     meanwhile makes its children sound again; verify --fix used to delete them (and their
     own children) from the scan it took before the pass. A file another replica evicts
@@ -162,7 +160,6 @@ def test_hits_of_two_replicas_on_one_file_add_up(tmp_path, monkeypatch):
     assert fresh.index.get(ns, plan.sha1).hits == 2
 
 
-
 def test_remove_namespace_deletes_its_files_outside_the_lock(tmp_path, monkeypatch):
     """Deleting 100k files took minutes, and under ROOT/.lock every other replica's saves
     timed out meanwhile. The directory is renamed away under the lock; the files go after."""
@@ -210,7 +207,8 @@ def test_trash_left_by_a_killed_remover_goes_at_the_next_scan(tmp_path):
 
 
 def test_a_save_lists_the_namespace_only_when_the_journal_cannot_say_what_changed(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """A save's own temp file moved the directory's mtime, so every save re-listed its
     namespace under the lock (727 ms at 100k files, serialised across replicas; seconds
     on a network file system). Names change only under the lock, the lock file counts the
@@ -278,7 +276,8 @@ def test_a_name_landing_while_a_save_writes_is_not_replaced(tmp_path, monkeypatc
     fresh = Store(a.root, space_bytes=1 << 30)
     fresh.scan()
     assert [e.sha1 for e in planner(fresh).lookup(ns, pa.ids, 112).chain] == [
-        s.sha1 for s in landed]
+        s.sha1 for s in landed
+    ]
 
 
 def test_a_hard_linked_lock_file_is_never_written(tmp_path):

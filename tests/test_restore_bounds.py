@@ -18,19 +18,16 @@ from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, Scope, StepMeta
 from vllm_kvdisk.connector.worker import WorkerSide
 
 
-
 def make(tmp_path, blocks: int) -> tuple[WorkerSide, list[torch.Tensor]]:
     torch.manual_seed(3)
     caches = {f"model.layers.{i}.attn": torch.rand(blocks, 1, BLOCK, 4) for i in range(2)}
     return make_worker(tmp_path, caches, kv_disk_io_threads=2), list(caches.values())
 
 
-def save(w: WorkerSide, ids: np.ndarray, blocks: list[int], start: int,
-         parent: str | None) -> str:
+def save(w: WorkerSide, ids: np.ndarray, blocks: list[int], start: int, parent: str | None) -> str:
     """Hand a save to the worker without waiting for it (a text of its own per length)."""
     tokens = start + len(blocks) * BLOCK
-    job = save_job(ids, blocks, start=start, parent=parent,
-                   text=b"%d:" % tokens + b"t" * tokens)
+    job = save_job(ids, blocks, start=start, parent=parent, text=b"%d:" % tokens + b"t" * tokens)
     w.wait_for_save(StepMeta(saves=[job]))
     return job.plan.sha1
 
@@ -65,8 +62,7 @@ def test_a_chain_longer_than_the_open_file_limit_restores_completely(tmp_path):
 
 
 @pytest.mark.parametrize("device_path", [False, True], ids=["host-path", "device-path"])
-def test_unused_pages_are_checksummed_through_a_bounded_scratch(tmp_path, monkeypatch,
-                                                                device_path):
+def test_unused_pages_are_checksummed_through_a_bounded_scratch(tmp_path, monkeypatch, device_path):
     """A file used for 2 of its 12 blocks: the other 10 pages of each layer used to be read
     into one scratch of their whole size (a size-consistent hostile file could ask for any
     amount). Now no buffer is larger than the used pages or the scratch cap, and a flipped
@@ -84,8 +80,14 @@ def test_unused_pages_are_checksummed_through_a_bounded_scratch(tmp_path, monkey
         sha1 = save(w, ids, list(range(12)), 0, None)
         w.drain()
         asked.clear()
-        job = LoadJob("r", Scope(), [LoadFile(sha1, 0, 2 * BLOCK, 12 * BLOCK)], 0, [20, 21],
-                      ids[:2 * BLOCK].tobytes())
+        job = LoadJob(
+            "r",
+            Scope(),
+            [LoadFile(sha1, 0, 2 * BLOCK, 12 * BLOCK)],
+            0,
+            [20, 21],
+            ids[: 2 * BLOCK].tobytes(),
+        )
         assert w.loads.load(job) == []
         assert asked and max(asked) <= 2 * page  # the used pages, or one page of scratch
         for t in layers:

@@ -34,8 +34,9 @@ def job(req: str, blocks: list[int], seed: int) -> SaveJob:
 
 def load_job(sha1: str, blocks: int, targets: list[int]) -> LoadJob:
     tokens = blocks * BLOCK
-    return LoadJob("load", Scope(), [LoadFile(sha1, 0, tokens, tokens)], 0, targets,
-                   IDS[:tokens].tobytes())
+    return LoadJob(
+        "load", Scope(), [LoadFile(sha1, 0, tokens, tokens)], 0, targets, IDS[:tokens].tobytes()
+    )
 
 
 class Gate:
@@ -62,6 +63,7 @@ def side(tmp_path):
         w = make_worker(tmp_path, caches, **{"kv_disk_io_threads": 1, **extra})
         made.append(w)
         return w, list(caches.values())
+
     made: list[WorkerSide] = []
     yield make
     for w in made:
@@ -158,6 +160,7 @@ def test_io_threads_run_on_the_cores_vllm_reserved_not_the_compute_ones(side, mo
     node for the scheduler and a connector's transfers. The worker's threads inherited
     the binding: saves and loads ran on the compute core while the reserved one idled.
     Here the test's thread plays a worker bound to CPU 0 under a process allowed 0-1."""
+
     def cpus() -> set[int]:
         return set(os.sched_getaffinity(0))
 
@@ -174,8 +177,7 @@ def test_io_threads_run_on_the_cores_vllm_reserved_not_the_compute_ones(side, mo
         gather, write, opened = w.mover.gather, w.store.write, w.store.open_file
         w.mover.gather = lambda *a, **k: (seen.setdefault("copy", cpus()), gather(*a, **k))[1]
         w.store.write = lambda *a, **k: (seen.setdefault("write", cpus()), write(*a, **k))[1]
-        w.store.open_file = lambda *a, **k: (seen.setdefault("load", cpus()),
-                                             opened(*a, **k))[1]
+        w.store.open_file = lambda *a, **k: (seen.setdefault("load", cpus()), opened(*a, **k))[1]
         save = job("c", [2, 3], seed=7)
         w.wait_for_save(StepMeta(saves=[save]))
         w.drain()

@@ -48,11 +48,14 @@ def test_cold_only_in_the_step_that_completes_the_prefill():
     assert r.on_step(5000, 5000, 5001) == []  # decoding
 
 
-@pytest.mark.parametrize("before,after,want", [
-    (9990, 10010, [(8160, CONT)]),  # generation crosses 10000: the grid point below it
-    (19999, 20000, [(18400, CONT)]),
-    (10010, 10500, []),
-])
+@pytest.mark.parametrize(
+    "before,after,want",
+    [
+        (9990, 10010, [(8160, CONT)]),  # generation crosses 10000: the grid point below it
+        (19999, 20000, [(18400, CONT)]),
+        (10010, 10500, []),
+    ],
+)
 def test_continued_frontiers(before, after, want):
     assert rules(block=16, cold_max=1).on_step(5000, before, after) == want
 
@@ -64,7 +67,8 @@ def test_positions_are_ascending_and_distinct():
         assert got == sorted(set(got)) and all(p % 16 == 0 and 512 <= p <= n for p in got)
         assert (n // 16) * 16 in got  # the tail, untrimmed
         assert rules(tails=False, block=16).on_step(n, 0, n) == [
-            (p, c) for p, c in r.on_step(n, 0, n) if p == r.grid.floor(n)]
+            (p, c) for p, c in r.on_step(n, 0, n) if p == r.grid.floor(n)
+        ]
 
 
 def test_window_models_put_the_cold_tail_where_a_resent_prompt_hits():

@@ -15,11 +15,24 @@ from vllm_kvdisk.connector.groupblocks import GroupBlocks
 from vllm_kvdisk.connector.jobs import LoadFile, LoadJob
 from vllm_kvdisk.connector.statehandoffs import StateHandoffs
 from vllm_kvdisk.connector.transfer import PageMover, block_pages
-from vllm_kvdisk.core.compat import (GroupInfo, UnsupportedConfig, groups_signature, kv_groups,
-                                     state_signature)
+from vllm_kvdisk.core.compat import (
+    GroupInfo,
+    UnsupportedConfig,
+    groups_signature,
+    kv_groups,
+    state_signature,
+)
 from vllm_kvdisk.core.encode import encode_checkpoint
-from vllm_kvdisk.core.format import (FormatError, Group, GroupKind, PageLayout, Payload, Reason,
-                                     UnsupportedFile, state_block)
+from vllm_kvdisk.core.format import (
+    FormatError,
+    Group,
+    GroupKind,
+    PageLayout,
+    Payload,
+    Reason,
+    UnsupportedFile,
+    state_block,
+)
 from vllm_kvdisk.core.index import Entry, Lookup, Miss, Segment
 from vllm_kvdisk.core.planner import trim_to_states
 from vllm_kvdisk.storage.fileread import read_layer_into, read_meta
@@ -35,11 +48,19 @@ B = 640  # the tiny Qwen3-Next: vLLM aligns its blocks to 640 tokens
 def state_checkpoint() -> bytes:
     """A tiny delta with a state group; its bytes are pinned in tests/golden/."""
     layers = [bytes([1]) * 32, bytes([2]) * 32]
-    payload = Payload(bytes(range(32)), "ab" * 20, 4, 1, 1, LAYOUT, 0x0123456789ABCDEF,
-                      groups=STATEFUL)
-    enc = encode_checkpoint(text=b"abcdefgh", tokens=np.arange(8, dtype="<u4").tobytes(),
-                            layers=layers, payload=payload, reason=Reason.CONTINUED,
-                            kv_dtype="uint8", context_size=8192, now=1_700_000_000)
+    payload = Payload(
+        bytes(range(32)), "ab" * 20, 4, 1, 1, LAYOUT, 0x0123456789ABCDEF, groups=STATEFUL
+    )
+    enc = encode_checkpoint(
+        text=b"abcdefgh",
+        tokens=np.arange(8, dtype="<u4").tobytes(),
+        layers=layers,
+        payload=payload,
+        reason=Reason.CONTINUED,
+        kv_dtype="uint8",
+        context_size=8192,
+        now=1_700_000_000,
+    )
     return b"".join(bytes(b) for b in enc.buffers)
 
 
@@ -62,8 +83,10 @@ def test_golden_state_file_pins_the_layout(tmp_path):
     assert struct.unpack_from("<BBHIII", raw, payload + 176) == (3, 0, 1, 0, 1, 1)
     meta = read_meta(write(tmp_path, raw), len(raw))
     assert meta.payload.version == 3
-    assert meta.payload.groups == (Group(GroupKind.FULL, 1, 0, 1, 1),
-                                   Group(GroupKind.STATE, 1, 0, 1, 1))
+    assert meta.payload.groups == (
+        Group(GroupKind.FULL, 1, 0, 1, 1),
+        Group(GroupKind.STATE, 1, 0, 1, 1),
+    )
     page = bytearray(32)
     read_layer_into(write(tmp_path, raw), meta, 1, memoryview(page))
     assert bytes(page) == bytes([2]) * 32
@@ -75,10 +98,12 @@ def test_a_state_group_only_in_a_version_3_payload(tmp_path):
     without one, or a state block other than the file's last is corrupt."""
     raw = state_checkpoint()
     payload = 52 + struct.unpack_from("<I", raw, 48)[0]
-    cases = {"v2 with a state": (payload + 4, "<H", 2),
-             "v3 without a state": (payload + 176, "<B", 1),
-             "state not at the end": (payload + 176 + 8, "<I", 0),
-             "two state blocks": (payload + 176 + 12, "<I", 2)}
+    cases = {
+        "v2 with a state": (payload + 4, "<H", 2),
+        "v3 without a state": (payload + 176, "<B", 1),
+        "state not at the end": (payload + 176 + 8, "<I", 0),
+        "two state blocks": (payload + 176 + 12, "<I", 2),
+    }
     for name, (at, fmt, value) in cases.items():
         bad = bytearray(raw)
         struct.pack_into(fmt, bad, at, value)
@@ -97,8 +122,20 @@ def test_the_state_after_n_tokens_is_in_block_n_over_block_size_minus_one():
 
 
 def entry(parent_tokens: int, tokens: int) -> Entry:
-    return Entry("ns", f"f{tokens}", tokens, "p" if parent_tokens else None, parent_tokens,
-                 Reason.COLD, 0, 0, 0, 1, 0, 0)
+    return Entry(
+        "ns",
+        f"f{tokens}",
+        tokens,
+        "p" if parent_tokens else None,
+        parent_tokens,
+        Reason.COLD,
+        0,
+        0,
+        0,
+        1,
+        0,
+        0,
+    )
 
 
 def lookup(*segments: tuple[int, int, int]) -> Lookup:
@@ -124,7 +161,9 @@ def test_a_load_fills_the_hits_state_block_from_the_last_file():
     blocks = GroupBlocks((Group(GroupKind.STATE, 2), Group(GroupKind.FULL, 2)), B)
     blocks.null_block = 0
     segments = [Segment(entry(0, 1280), 1280), Segment(entry(1280, 2560), 2560)]
-    files = [LoadFile(s.entry.sha1, s.entry.parent_tokens, s.upto, s.entry.tokens) for s in segments]
+    files = [
+        LoadFile(s.entry.sha1, s.entry.parent_tokens, s.upto, s.entry.tokens) for s in segments
+    ]
     job = LoadJob("r", None, files, 0, [11, 12, 13, 14])
     # vLLM's state table for a hit of 2560: the null block, then a fresh block at 3
     blocks.place(job, segments, [[0, 0, 0, 7], [11, 12, 13, 14]], 0, 2560)
@@ -133,12 +172,18 @@ def test_a_load_fills_the_hits_state_block_from_the_last_file():
     # a hit that leaves the last file early has no state to load: refused, never wrong
     part = [segments[0], Segment(segments[1].entry, 1920)]
     with pytest.raises(ValueError, match="state"):
-        blocks.place(LoadJob("r", None, files, 0, [11, 12, 13]), part,
-                     [[0, 0, 7], [11, 12, 13]], 0, 1920)
+        blocks.place(
+            LoadJob("r", None, files, 0, [11, 12, 13]), part, [[0, 0, 7], [11, 12, 13]], 0, 1920
+        )
     # the state block vLLM gave is its null block: refused
     with pytest.raises(ValueError, match="null"):
-        blocks.place(LoadJob("r", None, files, 0, [11, 12, 13, 14]), segments,
-                     [[0, 0, 0, 0], [11, 12, 13, 14]], 0, 2560)
+        blocks.place(
+            LoadJob("r", None, files, 0, [11, 12, 13, 14]),
+            segments,
+            [[0, 0, 0, 0], [11, 12, 13, 14]],
+            0,
+            2560,
+        )
 
 
 def test_a_save_stores_the_handed_over_state_block():
@@ -189,30 +234,52 @@ def test_the_newest_whole_boundary_is_pinned_in_vllms_block_pool():
 
 
 def info(spec: str, **kw) -> GroupInfo:
-    return GroupInfo(spec, kw.pop("layers", 2), kw.pop("block", B), kw.pop("page", ("bf16", 2, 64)),
-                     page_bytes=kw.pop("page_bytes", 327680), **kw)
+    return GroupInfo(
+        spec,
+        kw.pop("layers", 2),
+        kw.pop("block", B),
+        kw.pop("page", ("bf16", 2, 64)),
+        page_bytes=kw.pop("page_bytes", 327680),
+        **kw,
+    )
 
 
 STATE = (((3, 1024), "bfloat16"), ((4, 128, 128), "float32"))
 
 
 def test_state_groups_in_align_mode_are_served_beside_attention():
-    groups = kv_groups([info("MambaSpec", state_mode="align", state=STATE),
-                        info("FullAttentionSpec", full=True)])
+    groups = kv_groups(
+        [info("MambaSpec", state_mode="align", state=STATE), info("FullAttentionSpec", full=True)]
+    )
     assert groups == (Group(GroupKind.STATE, 2), Group(GroupKind.FULL, 2))
     sig = groups_signature(groups, (state_signature(STATE),))
     assert sig == "/Gs2[3x1024:bfloat16+4x128x128:float32],fx2"
 
 
-@pytest.mark.parametrize("groups,words", [
-    ([info("MambaSpec", state_mode="none"), info("FullAttentionSpec", full=True)],
-     "mamba cache mode 'none'"),
-    ([info("MambaSpec", state_mode="align", speculative_blocks=1),
-      info("FullAttentionSpec", full=True)], "speculative"),
-    ([info("MambaSpec", state_mode="align")], "only Mamba"),
-    ([info("MambaSpec", state_mode="align", page_bytes=268288),
-      info("FullAttentionSpec", full=True)], "aligned layout"),
-])
+@pytest.mark.parametrize(
+    "groups,words",
+    [
+        (
+            [info("MambaSpec", state_mode="none"), info("FullAttentionSpec", full=True)],
+            "mamba cache mode 'none'",
+        ),
+        (
+            [
+                info("MambaSpec", state_mode="align", speculative_blocks=1),
+                info("FullAttentionSpec", full=True),
+            ],
+            "speculative",
+        ),
+        ([info("MambaSpec", state_mode="align")], "only Mamba"),
+        (
+            [
+                info("MambaSpec", state_mode="align", page_bytes=268288),
+                info("FullAttentionSpec", full=True),
+            ],
+            "aligned layout",
+        ),
+    ],
+)
 def test_state_groups_kvdisk_cannot_restore_exactly_are_refused(groups, words):
     with pytest.raises(UnsupportedConfig, match=words):
         kv_groups(groups)
@@ -223,8 +290,9 @@ def state_layer(num_blocks: int, page: int) -> tuple[torch.Tensor, list[torch.Te
     at the start of each block's page, padded to the attention page."""
     raw = torch.arange(num_blocks * page, dtype=torch.int64).remainder(251).to(torch.uint8)
     conv = torch.as_strided(raw.view(torch.bfloat16), (num_blocks, 3, 8), (page // 2, 8, 1), 0)
-    ssm = torch.as_strided(raw.view(torch.float32), (num_blocks, 2, 4, 4), (page // 4, 16, 4, 1),
-                           12)
+    ssm = torch.as_strided(
+        raw.view(torch.float32), (num_blocks, 2, 4, 4), (page // 4, 16, 4, 1), 12
+    )
     return raw, [conv, ssm]
 
 
@@ -237,7 +305,10 @@ def test_a_state_layer_is_copied_as_its_blocks_raw_pages():
     assert mover.host_resident and mover.page_bytes == 256
     out = [np.empty(2 * 256, np.uint8), np.empty(2 * 256, np.uint8)]
     mover.gather_layers([[4, 1], [0, 0]], out)
-    assert out[0].tobytes() == raw[4 * 256:5 * 256].numpy().tobytes() + raw[256:512].numpy().tobytes()
+    assert (
+        out[0].tobytes()
+        == raw[4 * 256 : 5 * 256].numpy().tobytes() + raw[256:512].numpy().tobytes()
+    )
 
 
 def test_a_layer_not_laid_out_block_by_block_is_refused():
@@ -266,9 +337,16 @@ def test_a_state_save_is_made_at_its_boundary_only(tmp_path):
     groups = (Group(GroupKind.STATE, 1), Group(GroupKind.FULL, 1))
     blocks = GroupBlocks(groups, bs)
     blocks.null_block = 0
-    saves = SavePlanning(planner=planner(store), rules=SaveRules(GRID, bs, 1 << 20, 1 << 20),
-                         table=byte_table(), blocks=blocks, events=DiskEvents(False, bs),
-                         store=store, context_size=8192, workers=1)
+    saves = SavePlanning(
+        planner=planner(store),
+        rules=SaveRules(GRID, bs, 1 << 20, 1 << 20),
+        table=byte_table(),
+        blocks=blocks,
+        events=DiskEvents(False, bs),
+        store=store,
+        context_size=8192,
+        workers=1,
+    )
     ids = list(range(10, 10 + 8 * bs))
     tables = [[0] * 6 + [99, 0], list(range(1, 9))]  # the state after 6 blocks: block 99
 

@@ -13,10 +13,12 @@ def two_nodes(cpu: int) -> int:
 def test_a_worker_bound_to_its_compute_cores_saves_on_the_spare_ones():
     # This machine's engine_bench: one rank on core 0, core 1 reserved.
     assert plan_cpus({0}, {0, 1}, "auto", node_of=lambda c: 0) == CpuPlan(
-        frozenset({1}), frozenset({0, 1}))
+        frozenset({1}), frozenset({0, 1})
+    )
     # Two NUMA nodes, one rank per node (auto): the spare cores of its own node only.
     assert plan_cpus({0, 1, 2}, set(range(8)), None, node_of=two_nodes) == CpuPlan(
-        frozenset({3}), frozenset({0, 1, 2, 3}))
+        frozenset({3}), frozenset({0, 1, 2, 3})
+    )
     assert plan_cpus({4, 5}, set(range(8)), "auto", node_of=two_nodes).saves == {6, 7}
     # Ranks bound by hand: no rank's compute core is anyone's spare.
     assert plan_cpus({0, 1, 2}, set(range(8)), "0-2|4-6", node_of=two_nodes).saves == {3}

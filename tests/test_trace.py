@@ -25,15 +25,32 @@ def test_every_event_parses_back(tmp_path):
     t.replay("1 from memory, 0 from disk, 0 missing, 0 changed")
     t.close()
     events = read(path)
-    assert [e.kind for e in events] == ["miss", "miss", "hit", "loaded", "device_hit", "probe",
-                                        "saved", "save_failed", "save_skipped", "evicted",
-                                        "quarantined", "load_failed", "replay"]
+    assert [e.kind for e in events] == [
+        "miss",
+        "miss",
+        "hit",
+        "loaded",
+        "device_hit",
+        "probe",
+        "saved",
+        "save_failed",
+        "save_skipped",
+        "evicted",
+        "quarantined",
+        "load_failed",
+        "replay",
+    ]
     assert events[0].sha1 == "-" and events[0].detail == "below min tokens"
     assert (events[2].tokens, events[2].files) == (640, 2)
     assert (events[3].tokens, events[3].ms) == (640, 12)
     saved = events[6]
     assert (saved.reason, saved.sha1, saved.tokens, saved.bytes, saved.ms) == (
-        "cold", SHA, 1920, 7880704, 42)
+        "cold",
+        SHA,
+        1920,
+        7880704,
+        42,
+    )
     assert events[8].reason == "no_space" and events[9].bytes == 2629632
     assert parse("unrelated line") is None
 

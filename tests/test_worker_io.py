@@ -17,12 +17,12 @@ import torch
 import workers
 from workers import BLOCK, FP, load_job, make_worker, save_job
 
-from vllm_kvdisk.storage import fileread as fmt
 from vllm_kvdisk.connector import restore as restore_mod
-from vllm_kvdisk.core.config import load_config
 from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, Scope, StepMeta
-from vllm_kvdisk.core.keys import Fingerprint
 from vllm_kvdisk.connector.worker import WorkerSide
+from vllm_kvdisk.core.config import load_config
+from vllm_kvdisk.core.keys import Fingerprint
+from vllm_kvdisk.storage import fileread as fmt
 
 LAYERS = 4
 BLOCKS = 64
@@ -88,8 +88,7 @@ def test_a_deep_chain_and_a_last_file_used_partway(side, monkeypatch, cached):
         sha1 = save(w, [2 * i, 2 * i + 1], start=2 * i * BLOCK, parent=parent)
         files.append(whole(sha1, 2 * i * BLOCK, (2 * i + 2) * BLOCK))
         parent = sha1
-    files[-1] = LoadFile(files[-1].sha1, files[-1].start, files[-1].start + BLOCK,
-                         files[-1].tokens)
+    files[-1] = LoadFile(files[-1].sha1, files[-1].start, files[-1].start + BLOCK, files[-1].tokens)
     targets = list(range(63, 63 - 23, -1))  # 23 blocks, in reverse order
     before = [t.clone() for t in layers]
     assert load(w, files, 0, targets) == []
@@ -117,8 +116,9 @@ def test_staged_restore_for_a_cache_outside_host_memory(side):
 
 
 @pytest.mark.parametrize("cached", [True, False], ids=["page-cache-parallel", "cold-sequential"])
-def test_partial_restore_behind_a_device_hit_leaves_the_local_blocks_alone(side, monkeypatch,
-                                                                           cached):
+def test_partial_restore_behind_a_device_hit_leaves_the_local_blocks_alone(
+    side, monkeypatch, cached
+):
     w, layers, _ = side
     monkeypatch.setattr(restore_mod, "pages_cached", lambda fd, meta: cached)
     sha1 = save(w, list(range(FILE_BLOCKS)))
@@ -225,10 +225,15 @@ def vllm_layer_views(layout_name: str, num_layers=3, num_blocks=12, heads=2, dty
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=8, dtype=dtype)
     per_block = num_layers * spec.page_size_bytes
     fixed = (None, per_block if layout.is_block_outermost else None, None, None, None)
-    layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, num_layers, layout,
-                                                            fixed_strides=fixed)
-    tensor = KVCacheTensor(size=per_block * num_blocks, layers=[f"l{i}" for i in range(num_layers)],
-                           layer_stride=layer_stride, block_stride=block_stride)
+    layer_stride, block_stride, *_ = compute_layout_strides(
+        spec, num_blocks, num_layers, layout, fixed_strides=fixed
+    )
+    tensor = KVCacheTensor(
+        size=per_block * num_blocks,
+        layers=[f"l{i}" for i in range(num_layers)],
+        layer_stride=layer_stride,
+        block_stride=block_stride,
+    )
     raw = torch.zeros(tensor.size, dtype=torch.int8)
     views = create_kv_cache_views(raw, spec, num_blocks, layout, tensor)
     return raw, {f"model.layers.{i}.attn": v for i, v in enumerate(views)}
@@ -250,11 +255,15 @@ def test_every_vllm_kv_layout_round_trips_through_the_device_page_path(tmp_path,
         sha1 = save(w, src)
         assert load(w, [whole(sha1, 0, 4 * BLOCK)], 0, dst) == []
         for t, want in zip(layers, pages):
-            assert t[dst].view(torch.uint8).numpy().tobytes() == want.view(torch.uint8).numpy().tobytes()
+            assert (
+                t[dst].view(torch.uint8).numpy().tobytes()
+                == want.view(torch.uint8).numpy().tobytes()
+            )
         out = [np.empty(4 * w.mover.page_bytes, dtype=np.uint8) for _ in layers]
         w.mover.gather(dst, out)
-        assert [o.tobytes() for o in out] == [p.contiguous().view(torch.uint8).numpy().tobytes()
-                                              for p in pages]
+        assert [o.tobytes() for o in out] == [
+            p.contiguous().view(torch.uint8).numpy().tobytes() for p in pages
+        ]
     finally:
         w.shutdown()
 
@@ -296,13 +305,27 @@ def test_every_tp_rank_restores_its_own_file_of_a_job_planned_from_rank_0s_index
         assert os.stat(ranks[1][0].store.path(ranks[1][2], sha1)).st_ino != inode0
         end = FILE_BLOCKS * BLOCK
         for w, layers, _ in ranks:
-            job = LoadJob("r", Scope(), [LoadFile(sha1, 0, end, end, inode0)], 0, targets,
-                          IDS[:end].tobytes(), indexed_ns=ns0)
+            job = LoadJob(
+                "r",
+                Scope(),
+                [LoadFile(sha1, 0, end, end, inode0)],
+                0,
+                targets,
+                IDS[:end].tobytes(),
+                indexed_ns=ns0,
+            )
             assert w.loads.load(job) == []
             for t in layers:
                 assert torch.equal(t[targets], t[src])
-        replaced = LoadJob("r", Scope(), [LoadFile(sha1, 0, end, end, inode0 + 1)], 0,
-                           targets, IDS[:end].tobytes(), indexed_ns=ns0)
+        replaced = LoadJob(
+            "r",
+            Scope(),
+            [LoadFile(sha1, 0, end, end, inode0 + 1)],
+            0,
+            targets,
+            IDS[:end].tobytes(),
+            indexed_ns=ns0,
+        )
         assert ranks[0][0].loads.load(replaced) == targets
     finally:
         for w, _, _ in ranks:

@@ -16,7 +16,8 @@ def register() -> None:
     if CONNECTOR_NAME in getattr(KVConnectorFactory, "_registry", {}):
         return
     try:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, "vllm_kvdisk.connector.facade",
-                                              "KVDiskConnector")
+        KVConnectorFactory.register_connector(
+            CONNECTOR_NAME, "vllm_kvdisk.connector.facade", "KVDiskConnector"
+        )
     except ValueError:
         pass

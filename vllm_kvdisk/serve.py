@@ -16,7 +16,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from vllm_kvdisk.core.config import (
     FIELDS,
@@ -35,11 +35,13 @@ SHUTDOWN_TIMEOUT_S = 30
 def build_parser() -> argparse.ArgumentParser:
     """The cache's flags, one per config field."""
     parser = argparse.ArgumentParser(
-        prog="vllm-kvdisk serve", add_help=False,
+        prog="vllm-kvdisk serve",
+        add_help=False,
         usage="vllm-kvdisk serve MODEL --kv-disk-dir DIR [cache flags] [vllm serve flags]",
         description="vLLM's OpenAI-compatible server with prefix KV-cache checkpoints on "
-                    "disk. Cache flags (each also settable as the environment variable "
-                    "shown; a flag wins over the variable):")
+        "disk. Cache flags (each also settable as the environment variable "
+        "shown; a flag wins over the variable):",
+    )
     for name, f in FIELDS.items():
         help_text = f.metadata["help"]
         default = default_of(name)
@@ -48,13 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
         help_text += f" [{env_of(name)}]"
         flag = flag_of(name)
         if f.type == "bool":
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                                default=None, help=help_text)
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
         else:
-            parser.add_argument(flag, dest=name, default=None, help=help_text,
-                                type=int if f.type == "int" else str,
-                                choices=f.metadata.get("choices"),
-                                metavar="N" if f.type == "int" else None)
+            parser.add_argument(
+                flag,
+                dest=name,
+                default=None,
+                help=help_text,
+                type=int if f.type == "int" else str,
+                choices=f.metadata.get("choices"),
+                metavar="N" if f.type == "int" else None,
+            )
     return parser
 
 
@@ -70,11 +78,17 @@ def _has(args: Sequence[str], flag: str) -> bool:
 
 def vllm_args(config: KVDiskConfig, rest: list[str]) -> list[str]:
     if _has(rest, "--kv-transfer-config"):
-        raise ConfigError("vllm-kvdisk serve builds --kv-transfer-config itself; pass the "
-                          "cache settings as --kv-disk-* flags instead")
+        raise ConfigError(
+            "vllm-kvdisk serve builds --kv-transfer-config itself; pass the "
+            "cache settings as --kv-disk-* flags instead"
+        )
     extra = {k: v for k, v in as_dict(config).items() if v is not None}
-    transfer = {"kv_connector": "kvdisk", "kv_role": "kv_both",
-                "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+    transfer = {
+        "kv_connector": "kvdisk",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
     out = list(rest) + ["--kv-transfer-config", json.dumps(transfer)]
     if not _has(rest, "--shutdown-timeout"):
         out += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
@@ -118,8 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"vllm-kvdisk {version('vllm-kvdisk')}")
         return 0
     if not argv or argv[0] != "serve":
-        print("usage: vllm-kvdisk serve MODEL --kv-disk-dir DIR [cache flags] [vllm serve "
-              "flags]   (vllm-kvdisk serve --help lists them)", file=sys.stderr)
+        print(
+            "usage: vllm-kvdisk serve MODEL --kv-disk-dir DIR [cache flags] [vllm serve "
+            "flags]   (vllm-kvdisk serve --help lists them)",
+            file=sys.stderr,
+        )
         return 2
     asked = [a for a in argv[1:] if a == "-h" or a == "--help" or a.startswith("--help=")]
     if asked:

@@ -57,9 +57,17 @@ class DiskEvents:
         from vllm.distributed.kv_events import BlockStored
 
         owned, parent, token_ids, lora = planned
-        self._out.append(BlockStored(block_hashes=owned, parent_block_hash=parent,
-                                     token_ids=token_ids, block_size=self.block_size,
-                                     lora_id=None, medium=MEDIUM, lora_name=lora))
+        self._out.append(
+            BlockStored(
+                block_hashes=owned,
+                parent_block_hash=parent,
+                token_ids=token_ids,
+                block_size=self.block_size,
+                lora_id=None,
+                medium=MEDIUM,
+                lora_name=lora,
+            )
+        )
         self._known[key] = owned
         self._known.move_to_end(key)
         while len(self._known) > MAX_KNOWN_FILES:

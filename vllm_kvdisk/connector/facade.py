@@ -8,7 +8,8 @@ one line, to the method of the same name on :mod:`vllm_kvdisk.connector.schedule
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -34,8 +35,12 @@ class KVDiskConnector(KVConnectorBase_V1, SupportsHMA):
 
     _cache_hit_source = CacheHitSource.DISK
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._sched = self._worker = None
         if role == KVConnectorRole.SCHEDULER:
@@ -58,8 +63,13 @@ class KVDiskConnector(KVConnectorBase_V1, SupportsHMA):
         return KVDiskStats(data=dict(data) if data else {})
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
         from vllm_kvdisk.ops.metrics import KVDiskPromMetrics
 
         return KVDiskPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -84,7 +94,9 @@ class KVDiskConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: the request waits in WAITING_FOR_REMOTE_KVS
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return  # pages are copied whole after the step (also works under CUDA graphs)
 
     def wait_for_save(self) -> None:
@@ -95,9 +107,11 @@ class KVDiskConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving = self._worker.get_finished(finished_req_ids)
-        return KVConnectorTransferResults(finished_sending=set(sending or ()),
-                                          finished_recving=set(recving or ()),
-                                          failed_recving=self._worker.take_failed_recving())
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=self._worker.take_failed_recving(),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
@@ -114,7 +128,9 @@ class KVDiskConnector(KVConnectorBase_V1, SupportsHMA):
         if null is not None:
             self._sched.blocks.null_block = null.block_id
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -129,8 +145,9 @@ class KVDiskConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         return self._sched.request_finished(request, block_ids)
 
-    def request_finished_all_groups(self, request: Any,
-                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict | None]:
         return self._sched.request_finished_all_groups(request, block_ids)
 
     def has_pending_push_work(self) -> bool:

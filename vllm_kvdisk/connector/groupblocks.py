@@ -56,10 +56,11 @@ class GroupBlocks:
                 if sources is None:
                     raise ValueError("a sliding window the hit needs is not stored")
             else:
-                sources = [(max(s.entry.parent_tokens // bs, start), s.upto // bs)
-                           for s in segments]
+                sources = [
+                    (max(s.entry.parent_tokens // bs, start), s.upto // bs) for s in segments
+                ]
             for a, c in sources:
-                if self.null_block in ids[a - start:c - start]:
+                if self.null_block in ids[a - start : c - start]:
                     raise ValueError("a block to restore is vLLM's null block")
             per_group.append(sources)
         for i, file in enumerate(job.files):
@@ -67,8 +68,13 @@ class GroupBlocks:
         if end - start != len(job.block_ids):
             raise ValueError("fewer blocks allocated than the hit covers")
 
-    def stored(self, group_ids: list[list[int]], parent_tokens: int, length: int,
-               states: dict[int, int] | None = None) -> list[list[int]] | None:
+    def stored(
+        self,
+        group_ids: list[list[int]],
+        parent_tokens: int,
+        length: int,
+        states: dict[int, int] | None = None,
+    ) -> list[list[int]] | None:
         """Per group, the engine blocks a file ``[parent_tokens, length)`` stores, or None
         when vLLM has already freed part of a window, or holds no state at ``length``
         (its save cannot be made). ``states``: per state group's index, the block vLLM
@@ -85,7 +91,7 @@ class GroupBlocks:
                 first, count = window_blocks(length, group.window, bs)
             else:
                 first, count = parent_tokens // bs, (length - parent_tokens) // bs
-            part = list(ids[first:first + count])
+            part = list(ids[first : first + count])
             if len(part) != count or self.null_block in part:
                 return None
             out.append(part)

@@ -8,7 +8,8 @@ served as if the cache were absent.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from vllm_kvdisk.core.logs import get_logger
 

@@ -106,5 +106,13 @@ class WorkerReport(KVConnectorWorkerMetadata):
         return self
 
     def __bool__(self) -> bool:
-        return bool(self.written or self.failed_saves or self.removed or self.stale
-                    or self.failed_loads or self.loads or self.steps or self.copied)
+        return bool(
+            self.written
+            or self.failed_saves
+            or self.removed
+            or self.stale
+            or self.failed_loads
+            or self.loads
+            or self.steps
+            or self.copied
+        )

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Callable
 
 from vllm_kvdisk.connector.jobs import LoadJob, WorkerReport
 from vllm_kvdisk.connector.restore import Restorer
@@ -31,11 +31,22 @@ IDLE_LOAD_WAIT_S = 0.005  # an empty step waits this long for a load to finish
 
 
 class Loads:
-    def __init__(self, *, store: Store, stats: StatsRecorder, trace: Trace,
-                 namespaces: Namespaces, block_size: int, io_threads: int,
-                 counts_tokens: bool, by_request: bool, lock: threading.Lock,
-                 report: Callable[[], WorkerReport], background: ThreadPoolExecutor,
-                 pin: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        *,
+        store: Store,
+        stats: StatsRecorder,
+        trace: Trace,
+        namespaces: Namespaces,
+        block_size: int,
+        io_threads: int,
+        counts_tokens: bool,
+        by_request: bool,
+        lock: threading.Lock,
+        report: Callable[[], WorkerReport],
+        background: ThreadPoolExecutor,
+        pin: Callable[[], None] = lambda: None,
+    ):
         """``by_request``: report a short load as the whole request (several KV cache
         groups); ``report`` is the worker's report of this step (called under ``lock``);
         ``background`` takes hit-count updates off the restore's path."""
@@ -44,10 +55,12 @@ class Loads:
         self._counts_tokens, self._by_request = counts_tokens, by_request
         self._lock, self._report, self._background = lock, report, background
         # ``pin``: each thread's CPUs (connector/threads), set as it starts.
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvdisk-load",
-                                        initializer=pin)
-        self.readers = ThreadPoolExecutor(io_threads, thread_name_prefix="kvdisk-read",
-                                          initializer=pin)
+        self._pool = ThreadPoolExecutor(
+            io_threads, thread_name_prefix="kvdisk-load", initializer=pin
+        )
+        self.readers = ThreadPoolExecutor(
+            io_threads, thread_name_prefix="kvdisk-read", initializer=pin
+        )
         self.restorer: Restorer | None = None
         self.pending: dict[str, tuple[Future, LoadJob]] = {}  # req id -> (bad blocks, job)
         self._load_errors: set[int] = set()
@@ -55,8 +68,7 @@ class Loads:
 
     def attach(self, mover: PageMover, staging: StagingPool, groups: tuple[Group, ...]) -> None:
         """The KV caches are registered: loads can land in them."""
-        self.restorer = Restorer(self.store, mover, staging, self.readers, self.block_size,
-                                 groups)
+        self.restorer = Restorer(self.store, mover, staging, self.readers, self.block_size, groups)
 
     def start(self, jobs: list[LoadJob]) -> None:
         for job in jobs:
@@ -75,8 +87,9 @@ class Loads:
         fp = self.namespaces.fingerprint(job.scope.lora, job.scope.salt_digest)
         ns = self.namespaces.name(job.scope.lora, job.scope.salt_digest)
         t0 = time.perf_counter()
-        out = self.restorer.load(ns, fp.digest(), job,
-                                 lambda sha1, why, inode: self._quarantine(ns, sha1, why, inode))
+        out = self.restorer.load(
+            ns, fp.digest(), job, lambda sha1, why, inode: self._quarantine(ns, sha1, why, inode)
+        )
         seconds = time.perf_counter() - t0
         self._touch_later(ns, out.used)
         self.stats.add("bytes_read", out.bytes_read)
@@ -90,9 +103,14 @@ class Loads:
             self.stats.add("tokens_loaded", out.blocks * self.block_size)
         sha = job.files[-1].sha1 if job.files else "-"
         self.trace.loaded(sha, out.blocks * self.block_size, len(job.files), seconds)
-        log.debug("kvdisk: restored %d tokens of %s from %d file(s), %.1f MB in %.1f ms",
-                  out.blocks * self.block_size, job.req_id, len(job.files),
-                  out.bytes_read / 1e6, seconds * 1e3)
+        log.debug(
+            "kvdisk: restored %d tokens of %s from %d file(s), %.1f MB in %.1f ms",
+            out.blocks * self.block_size,
+            job.req_id,
+            len(job.files),
+            out.bytes_read / 1e6,
+            seconds * 1e3,
+        )
         return []
 
     def _quarantine(self, ns: str, sha1: str, why: str, inode: int) -> None:
@@ -126,8 +144,11 @@ class Loads:
         spin through empty steps, which takes the cores the reads need (a request
         arriving meanwhile waits at most IDLE_LOAD_WAIT_S)."""
         if self.pending and idle:
-            wait([fut for fut, _ in self.pending.values()], timeout=IDLE_LOAD_WAIT_S,
-                 return_when=FIRST_COMPLETED)
+            wait(
+                [fut for fut, _ in self.pending.values()],
+                timeout=IDLE_LOAD_WAIT_S,
+                return_when=FIRST_COMPLETED,
+            )
         recving = set()
         for req_id, (fut, job) in list(self.pending.items()):
             if fut.done():

@@ -9,7 +9,8 @@ the tokens the engine's own prefix cache would). Then the pages are read:
 
 * host-resident caches (the CPU backend) are read straight into runs of the target blocks,
   no staging copy, 1 MiB at a time, each piece hashed while it is in the CPU's caches
-  (``fileread.read_layers_into``); pages not used (held by the device already, or past ``upto``) are read into
+  (``fileread.read_layers_into``); pages not used (held by the device already, or past
+  ``upto``) are read into
   scratch only so the layer's checksum can be verified, one layer at a time so scratch
   goes back to the pool at once (fresh memory is slow to touch). Files in the page cache
   are read by all reader threads at once; cold files as one sequential stream (an
@@ -25,12 +26,16 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
+from vllm_kvdisk.connector.jobs import LoadFile, LoadJob
+from vllm_kvdisk.connector.staging import StagingPool
+from vllm_kvdisk.connector.transfer import PageMover
+from vllm_kvdisk.core.format import FULL_ONLY, FormatError, Group
 from vllm_kvdisk.storage.fileread import (
     Meta,
     pages_cached,
@@ -40,12 +45,7 @@ from vllm_kvdisk.storage.fileread import (
     read_token_range,
     read_tokens,
 )
-from vllm_kvdisk.core.format import FULL_ONLY, FormatError, Group
-from vllm_kvdisk.connector.jobs import LoadFile, LoadJob
-from vllm_kvdisk.connector.staging import StagingPool
 from vllm_kvdisk.storage.store import Store
-from vllm_kvdisk.connector.transfer import PageMover
-
 
 # Files of a chain open at once: each batch is checked whole, then read, then closed, so a
 # chain of any length restores completely with a bounded number of descriptors.
@@ -96,8 +96,15 @@ class _Open:
 
 
 class Restorer:
-    def __init__(self, store: Store, mover: PageMover, staging: StagingPool, readers: Executor,
-                 block_size: int, groups: tuple[Group, ...] = FULL_ONLY):
+    def __init__(
+        self,
+        store: Store,
+        mover: PageMover,
+        staging: StagingPool,
+        readers: Executor,
+        block_size: int,
+        groups: tuple[Group, ...] = FULL_ONLY,
+    ):
         self.groups = groups  # the engine's KV cache groups (kind, layers, window)
         self.store = store
         self.mover = mover
@@ -105,26 +112,39 @@ class Restorer:
         self.readers = readers
         self.block_size = block_size
 
-    def load(self, ns: str, fingerprint: bytes, job: LoadJob,
-             on_corrupt: Callable[[str, str, int], None] | None = None) -> Outcome:
+    def load(
+        self,
+        ns: str,
+        fingerprint: bytes,
+        job: LoadJob,
+        on_corrupt: Callable[[str, str, int], None] | None = None,
+    ) -> Outcome:
         """Restore ``job``; ``on_corrupt(sha1, why, inode)`` is called for a file proven
         corrupt while it is still open (so a replacement written meanwhile under the same
         name, even on a reused inode, is never the one quarantined)."""
         out = Outcome()
         expected = np.frombuffer(job.token_ids, dtype="<u4")
         for at in range(0, len(job.files), BATCH_FILES):
-            if not self._load_batch(ns, fingerprint, job, job.files[at:at + BATCH_FILES],
-                                    expected, out, on_corrupt):
+            if not self._load_batch(
+                ns, fingerprint, job, job.files[at : at + BATCH_FILES], expected, out, on_corrupt
+            ):
                 break  # this batch failed: its blocks from the failed file on are recomputed
         if out.failed is not None:
             bs = self.block_size
             first_bad = max(out.failed.start // bs, job.start_block)
-            out.bad_blocks = job.block_ids[first_bad - job.start_block:]
+            out.bad_blocks = job.block_ids[first_bad - job.start_block :]
         return out
 
-    def _load_batch(self, ns: str, fingerprint: bytes, job: LoadJob, files: list[LoadFile],
-                    expected: np.ndarray, out: Outcome,
-                    on_corrupt: Callable[[str, str, int], None] | None) -> bool:
+    def _load_batch(
+        self,
+        ns: str,
+        fingerprint: bytes,
+        job: LoadJob,
+        files: list[LoadFile],
+        expected: np.ndarray,
+        out: Outcome,
+        on_corrupt: Callable[[str, str, int], None] | None,
+    ) -> bool:
         """Check every file of one batch, then read their pages; False if one failed."""
         opened: list[_Open] = []
         failed_fd = -1
@@ -161,8 +181,9 @@ class Restorer:
         return out.failed is None
 
     # -- checks -------------------------------------------------------------------------
-    def _open(self, ns: str, fingerprint: bytes, file: LoadFile, job: LoadJob,
-              expected: np.ndarray) -> _Open:
+    def _open(
+        self, ns: str, fingerprint: bytes, file: LoadFile, job: LoadJob, expected: np.ndarray
+    ) -> _Open:
         try:
             fd = self.store.open_file(ns, file.sha1)
         except Exception as exc:  # noqa: BLE001 - gone, a symlink, an I/O error: a miss
@@ -178,27 +199,34 @@ class Restorer:
             meta = read_meta(fd, st.st_size)
             h, p = meta.header, meta.payload
             if (h.tokens, p.parent_tokens) != (file.tokens, file.start):
-                raise StaleFile(f"file holds tokens [{p.parent_tokens}, {h.tokens}), "
-                                f"index said [{file.start}, {file.tokens})")
+                raise StaleFile(
+                    f"file holds tokens [{p.parent_tokens}, {h.tokens}), "
+                    f"index said [{file.start}, {file.tokens})"
+                )
             if p.fingerprint != fingerprint:
                 raise FormatError("file belongs to another namespace (model/layout/salt)")
             if p.layout != self.mover.layout:  # a sound file of an engine that splits blocks
                 # into other kernel blocks (the namespace cannot tell): a miss, not corrupt
                 raise StaleFile(f"page layout {p.layout} != engine's {self.mover.layout}")
-            stored = np.frombuffer(read_token_range(fd, meta.offsets.tokens, 0, file.upto),
-                                   dtype="<u4")
-            if len(expected) < file.upto or not np.array_equal(stored, expected[:file.upto]):
+            stored = np.frombuffer(
+                read_token_range(fd, meta.offsets.tokens, 0, file.upto), dtype="<u4"
+            )
+            if len(expected) < file.upto or not np.array_equal(stored, expected[: file.upto]):
                 read_tokens(fd, meta)  # corrupt ids raise FormatError (checksum) here
                 raise StaleFile("its token ids are not the prompt's")
             bs = self.block_size
             first_used = max(file.start // bs, job.start_block)
             if not file.ranges:
-                targets = job.block_ids[first_used - job.start_block:
-                                        file.upto // bs - job.start_block]
+                targets = job.block_ids[
+                    first_used - job.start_block : file.upto // bs - job.start_block
+                ]
                 if len(targets) != file.upto // bs - first_used:
                     raise ValueError("load job has fewer target blocks than the file")
-                layer = (first_used - p.first_block, p.first_block + p.num_blocks - file.upto // bs,
-                         targets)
+                layer = (
+                    first_used - p.first_block,
+                    p.first_block + p.num_blocks - file.upto // bs,
+                    targets,
+                )
                 layers = [layer] * p.layout.num_layers
             else:
                 layers = self._group_layers(file, job, p.groups)
@@ -209,8 +237,9 @@ class Restorer:
             os.close(fd)
             raise OpenFailed(exc, inode) from exc
 
-    def _group_layers(self, file: LoadFile, job: LoadJob,
-                      groups: tuple[Group, ...]) -> list[tuple[int, int, list[int]]]:
+    def _group_layers(
+        self, file: LoadFile, job: LoadJob, groups: tuple[Group, ...]
+    ) -> list[tuple[int, int, list[int]]]:
         """Per layer of a hybrid model's file: the pages before and after the ones used
         and the engine blocks they go to (each group its own range and block table)."""
         mine = [(g.kind, g.layers, g.window) for g in self.groups]
@@ -224,9 +253,10 @@ class Restorer:
                 per_group.append((g.num_blocks, 0, []))
                 continue
             if a < g.first_block or c > g.first_block + g.num_blocks or a < job.start_block:
-                raise ValueError(f"blocks {a}..{c} are not in the file's group "
-                                 f"({g.first_block}+{g.num_blocks})")
-            targets = ids[a - job.start_block:c - job.start_block]
+                raise ValueError(
+                    f"blocks {a}..{c} are not in the file's group ({g.first_block}+{g.num_blocks})"
+                )
+            targets = ids[a - job.start_block : c - job.start_block]
             if len(targets) != c - a:
                 raise ValueError("load job has fewer target blocks than the file")
             per_group.append((a - g.first_block, g.first_block + g.num_blocks - c, targets))
@@ -247,8 +277,9 @@ class Restorer:
         cold: list[tuple[int, Callable[[], None]]] = []
         futures = []
         cached = [pages_cached(o.fd, o.meta) for o in opened]
-        warm_bytes = sum(o.meta.offsets.ktm - o.meta.offsets.pages
-                         for o, c in zip(opened, cached) if c)
+        warm_bytes = sum(
+            o.meta.offsets.ktm - o.meta.offsets.pages for o, c in zip(opened, cached) if c
+        )
         threads = getattr(self.readers, "_max_workers", 1)
         for i, o in enumerate(opened):
             if cached[i]:  # in the page cache: every reader thread at once
@@ -288,9 +319,15 @@ class Restorer:
             cuts = [n_layers * g // groups for g in range(groups + 1)]
 
             def read(first: int, stop: int) -> None:
-                read_layers_into(o.fd, meta, first,
-                                 [mover.host_views(layer, runs[id(o.layers[layer][2])])
-                                  for layer in range(first, stop)])
+                read_layers_into(
+                    o.fd,
+                    meta,
+                    first,
+                    [
+                        mover.host_views(layer, runs[id(o.layers[layer][2])])
+                        for layer in range(first, stop)
+                    ],
+                )
 
             return [lambda a=a, b=b: read(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
@@ -300,10 +337,17 @@ class Restorer:
             front, back, targets = o.layers[layer]
             scratch = self.staging.get(max(pb, min((front + back) * pb, SCRATCH_BYTES)))
             try:
-                read_layer_parts(o.fd, meta, layer, [
-                    (front * pb, None),
-                    (len(targets) * pb, mover.host_views(layer, runs[id(targets)])),
-                    (back * pb, None)], memoryview(scratch))
+                read_layer_parts(
+                    o.fd,
+                    meta,
+                    layer,
+                    [
+                        (front * pb, None),
+                        (len(targets) * pb, mover.host_views(layer, runs[id(targets)])),
+                        (back * pb, None),
+                    ],
+                    memoryview(scratch),
+                )
             finally:
                 self.staging.put(scratch)
 
@@ -325,8 +369,10 @@ class Restorer:
             front, back, targets = o.layers[layer]
             k, used = layer % 2, len(targets) * pb
             parts = [(front * pb, None), (used, [memoryview(flats[k])[:used]]), (back * pb, None)]
-            return self.readers.submit(read_layer_parts, o.fd, meta, layer, parts,
-                                       memoryview(scratches[k]))
+            return self.readers.submit(
+                read_layer_parts, o.fd, meta, layer, parts, memoryview(scratches[k])
+            )
+
         pending = None
         try:
             pending = read(0)

@@ -23,9 +23,18 @@ from vllm_kvdisk.storage.store import Store
 
 
 class SavePlanning:
-    def __init__(self, *, planner: Planner, rules: SaveRules, table: TokenTable,
-                 blocks: GroupBlocks, events: DiskEvents, store: Store, context_size: int,
-                 workers: int):
+    def __init__(
+        self,
+        *,
+        planner: Planner,
+        rules: SaveRules,
+        table: TokenTable,
+        blocks: GroupBlocks,
+        events: DiskEvents,
+        store: Store,
+        context_size: int,
+        workers: int,
+    ):
         self.planner, self.rules, self.table, self.blocks = planner, rules, table, blocks
         self.events, self.store = events, store
         self.block_size = blocks.block_size
@@ -37,8 +46,13 @@ class SavePlanning:
         jobs, self.jobs = self.jobs, []
         return jobs
 
-    def plan(self, st: RequestState, due: list[tuple[int, Reason]],
-             group_ids: list[list[int]], states: dict[int, int] | None = None) -> bool:
+    def plan(
+        self,
+        st: RequestState,
+        due: list[tuple[int, Reason]],
+        group_ids: list[list[int]],
+        states: dict[int, int] | None = None,
+    ) -> bool:
         """Plan the due saves of one request (``group_ids``: its block ids, one list per
         KV cache group; ``states``: per state group, the block holding the state at the
         one due position); True if any was planned."""
@@ -46,12 +60,20 @@ class SavePlanning:
         request = st.request
         cap = st.control.max_save_tokens
         if cap is not None and states is not None:  # a state is kept at its own position
-            due = [(length, reason) for length, reason in due  # only: none at the cap
-                   if length <= self.rules.grid.block_floor(cap)]
+            due = [
+                (length, reason)
+                for length, reason in due  # only: none at the cap
+                if length <= self.rules.grid.block_floor(cap)
+            ]
         elif cap is not None:  # positions past the cap become one checkpoint at the cap
             at_cap = self.rules.grid.block_floor(cap)
-            due = sorted({(min(length, at_cap), reason) for length, reason in due
-                          if min(length, at_cap) >= self.rules.min_tokens})
+            due = sorted(
+                {
+                    (min(length, at_cap), reason)
+                    for length, reason in due
+                    if min(length, at_cap) >= self.rules.min_tokens
+                }
+            )
         if not due or not st.control.save:
             return False
         top = max(length for length, _ in due)
@@ -63,12 +85,13 @@ class SavePlanning:
         grid = self.rules.grid
         on_grid = grid.is_position
         for length, reason in due:
-            plan = self.planner.plan_save(st.ns, prompt, length, reason,
-                                          spine=on_grid if on_grid(length) else None)
+            plan = self.planner.plan_save(
+                st.ns, prompt, length, reason, spine=on_grid if on_grid(length) else None
+            )
             if plan is None:
                 continue
             bs = self.block_size
-            owned = block_ids[plan.parent_tokens // bs: length // bs]
+            owned = block_ids[plan.parent_tokens // bs : length // bs]
             if len(owned) != (length - plan.parent_tokens) // bs:
                 continue
             stored: list[list[int]] = []
@@ -80,13 +103,23 @@ class SavePlanning:
             if not self.planner.reserve(plan, prompt, int(time.time())):
                 continue
             try:
-                self.events.planned((plan.ns, plan.sha1), request, plan.parent_tokens, length,
-                                    st.scope.lora)
+                self.events.planned(
+                    (plan.ns, plan.sha1), request, plan.parent_tokens, length, st.scope.lora
+                )
                 text = prompt.text_upto(length)
-                self.jobs.append(SaveJob(
-                    request.request_id, st.scope, plan, list(owned), text,
-                    prompt.ids[:length].astype("<u4").tobytes(), self.context_size,
-                    tool_map=tool_entries(st.control, text), groups=stored))
+                self.jobs.append(
+                    SaveJob(
+                        request.request_id,
+                        st.scope,
+                        plan,
+                        list(owned),
+                        text,
+                        prompt.ids[:length].astype("<u4").tobytes(),
+                        self.context_size,
+                        tool_map=tool_entries(st.control, text),
+                        groups=stored,
+                    )
+                )
                 st.copies_out += self.workers
             except Exception:
                 # A reservation nobody will report keeps has_pending_push_work() true and

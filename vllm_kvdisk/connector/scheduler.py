@@ -24,29 +24,29 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from vllm_kvdisk.core.config import KVDiskConfig
-from vllm_kvdisk.core.control import RequestControl
-from vllm_kvdisk.ops.diagnose import Diagnostics, LookupReport
 from vllm_kvdisk.connector.events import DiskEvents
 from vllm_kvdisk.connector.groupblocks import GroupBlocks
+from vllm_kvdisk.connector.guard import guarded
+from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, Scope, StepMeta, WorkerReport
 from vllm_kvdisk.connector.saveplans import SavePlanning
 from vllm_kvdisk.connector.signals import on_stop_signal
 from vllm_kvdisk.connector.statehandoffs import StateHandoffs
+from vllm_kvdisk.core.config import KVDiskConfig
+from vllm_kvdisk.core.control import RequestControl
 from vllm_kvdisk.core.format import FULL_ONLY, Group
 from vllm_kvdisk.core.index import Lookup, Miss
-from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, Scope, StepMeta, WorkerReport
 from vllm_kvdisk.core.keys import Fingerprint, Namespaces, as_token_array, salt_digest
 from vllm_kvdisk.core.lifecycle import RequestState
 from vllm_kvdisk.core.logs import get_logger
-from vllm_kvdisk.connector.guard import guarded
-from vllm_kvdisk.ops.metrics import KVDiskStats, snapshot
-from vllm_kvdisk.ops.recorder import StatsRecorder
 from vllm_kvdisk.core.planner import Planner, trim_to_states, trim_to_windows
 from vllm_kvdisk.core.policy import LoadCostModel
 from vllm_kvdisk.core.saverules import Grid, SaveRules
-from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.core.tokens import TokenTable
+from vllm_kvdisk.ops.diagnose import Diagnostics, LookupReport
+from vllm_kvdisk.ops.metrics import KVDiskStats, snapshot
+from vllm_kvdisk.ops.recorder import StatsRecorder
 from vllm_kvdisk.ops.trace import Trace
+from vllm_kvdisk.storage.store import Store
 
 log = get_logger(__name__)
 
@@ -54,9 +54,18 @@ REFRESH_INTERVAL_S = 2.0
 
 
 class SchedulerSide:
-    def __init__(self, config: KVDiskConfig, fingerprint: Fingerprint, table: TokenTable,
-                 block_size: int, context_size: int, *, events: bool = False,
-                 workers: int = 1, groups: tuple[Group, ...] = FULL_ONLY):
+    def __init__(
+        self,
+        config: KVDiskConfig,
+        fingerprint: Fingerprint,
+        table: TokenTable,
+        block_size: int,
+        context_size: int,
+        *,
+        events: bool = False,
+        workers: int = 1,
+        groups: tuple[Group, ...] = FULL_ONLY,
+    ):
         self.config = config
         # KV cache groups (a hybrid model has several): a block id list each, in this order.
         self.groups = groups
@@ -68,26 +77,39 @@ class SchedulerSide:
         self.table = table
         self.block_size = block_size
         self.context_size = context_size
-        grid = Grid(config.kv_cache_boundary_align_tokens, config.kv_cache_boundary_trim_tokens,
-                    block_size)
-        self.rules = SaveRules(grid, config.kv_cache_min_tokens, config.kv_cache_cold_max_tokens,
-                               config.kv_cache_continued_interval_tokens,
-                               config.kv_cache_tail_checkpoints,
-                               cold_before_last_token=bool(self.windows) or self.states.active)
+        grid = Grid(
+            config.kv_cache_boundary_align_tokens, config.kv_cache_boundary_trim_tokens, block_size
+        )
+        self.rules = SaveRules(
+            grid,
+            config.kv_cache_min_tokens,
+            config.kv_cache_cold_max_tokens,
+            config.kv_cache_continued_interval_tokens,
+            config.kv_cache_tail_checkpoints,
+            cold_before_last_token=bool(self.windows) or self.states.active,
+        )
         self.stats = StatsRecorder()
         self.store = Store.from_config(config)
         started = time.monotonic()
         self.store.start()
-        self.planner = Planner(self.store.index, block_size, self.store.read_ids,
-                               config.kv_cache_min_tokens)
+        self.planner = Planner(
+            self.store.index, block_size, self.store.read_ids, config.kv_cache_min_tokens
+        )
         self.trace = Trace.from_config(config)
         self.diagnostics = Diagnostics()
         self.report = LookupReport(self.store, table, self.stats, self.trace, self.diagnostics)
         self.cost = LoadCostModel()
         self.events = DiskEvents(events, block_size)
-        self.saves = SavePlanning(planner=self.planner, rules=self.rules, table=table,
-                                  blocks=self.blocks, events=self.events, store=self.store,
-                                  context_size=context_size, workers=workers)
+        self.saves = SavePlanning(
+            planner=self.planner,
+            rules=self.rules,
+            table=table,
+            blocks=self.blocks,
+            events=self.events,
+            store=self.store,
+            context_size=context_size,
+            workers=workers,
+        )
         self._reqs: dict[str, RequestState] = {}
         self._loads: list[LoadJob] = []
         self._holds: list[str] = []  # finished requests held for their copies, to tell workers
@@ -100,9 +122,14 @@ class SchedulerSide:
         self._shutdown_saved = False
         on_stop_signal(self._stop_requested)
         self.kv_cache_manager: Any = None
-        log.info("kvdisk: %d checkpoint(s), %.1f MiB of %d MiB budget in %s (scanned in %.2f s)",
-                 len(self.store.index), self.store.index.total_bytes / 2**20,
-                 config.kv_disk_space_mb, self.store.root, time.monotonic() - started)
+        log.info(
+            "kvdisk: %d checkpoint(s), %.1f MiB of %d MiB budget in %s (scanned in %.2f s)",
+            len(self.store.index),
+            self.store.index.total_bytes / 2**20,
+            config.kv_disk_space_mb,
+            self.store.root,
+            time.monotonic() - started,
+        )
 
     def _stop_requested(self) -> None:
         self._shutdown_requested = True
@@ -115,8 +142,10 @@ class SchedulerSide:
         st = self._reqs.get(request.request_id)
         if st is None:
             lora = getattr(request, "lora_request", None)
-            scope = Scope(lora=(getattr(lora, "lora_name", "") or "") if lora else "",
-                          salt_digest=salt_digest(getattr(request, "cache_salt", None)))
+            scope = Scope(
+                lora=(getattr(lora, "lora_name", "") or "") if lora else "",
+                salt_digest=salt_digest(getattr(request, "cache_salt", None)),
+            )
             control = RequestControl.from_request(request)
             st = RequestState(request, scope, self._ns(scope), control)
             self._reqs[request.request_id] = st
@@ -129,14 +158,20 @@ class SchedulerSide:
         nothing changed."""
         now = time.monotonic()
         stale = ns in self._stale
-        if stale or self.store.index.has_pending() or now - self._last_refresh >= REFRESH_INTERVAL_S:
+        if (
+            stale
+            or self.store.index.has_pending()
+            or now - self._last_refresh >= REFRESH_INTERVAL_S
+        ):
             self._last_refresh = now
             self._stale.discard(ns)
             self.store.refresh(ns, force=stale)
 
     # -- lookups ----------------------------------------------------------------------
     @guarded("get_num_new_matched_tokens", lambda: (0, False))
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         st = self._state(request)
         if not st.may_load or request.prompt_token_ids is None:
             return 0, False
@@ -148,7 +183,11 @@ class SchedulerSide:
         if st.memo_key != memo_key:
             self._refresh(st.ns)
             ids = as_token_array(request.prompt_token_ids[:usable])
-            st.memo, st.memo_key, st.memo_ids = self.planner.lookup(st.ns, ids, usable), memo_key, ids
+            st.memo, st.memo_key, st.memo_ids = (
+                self.planner.lookup(st.ns, ids, usable),
+                memo_key,
+                ids,
+            )
             st.declined = None
             self._trim(st, num_computed_tokens)
             if self.config.kv_disk_load_policy == "auto" and st.memo.tokens > num_computed_tokens:
@@ -173,8 +212,10 @@ class SchedulerSide:
         lookup = st.memo
         segments = lookup.segments
         below = sum(1 for s in segments if s.upto <= num_computed)
-        costs = [(s.entry.size, s.upto - max(s.entry.parent_tokens, num_computed))
-                 for s in segments[below:]]
+        costs = [
+            (s.entry.size, s.upto - max(s.entry.parent_tokens, num_computed))
+            for s in segments[below:]
+        ]
         decision = self.cost.choose(costs)
         if decision.probe:
             self.trace.probe(segments[-1].entry.sha1, decision.load_s, decision.recompute_s)
@@ -202,19 +243,34 @@ class SchedulerSide:
             all_ids = blocks.get_block_ids()
             block_ids = self.blocks.main(all_ids)[start:end]
             segments = [s for s in lookup.segments if s.upto > local]
-            files = [LoadFile(s.entry.sha1, s.entry.parent_tokens, s.upto, s.entry.tokens,
-                              s.entry.inode) for s in segments]
-            job = LoadJob(request.request_id, st.scope, files, start, block_ids,
-                          ids[:hit].astype("<u4").tobytes(), indexed_ns=st.ns)
+            files = [
+                LoadFile(s.entry.sha1, s.entry.parent_tokens, s.upto, s.entry.tokens, s.entry.inode)
+                for s in segments
+            ]
+            job = LoadJob(
+                request.request_id,
+                st.scope,
+                files,
+                start,
+                block_ids,
+                ids[:hit].astype("<u4").tobytes(),
+                indexed_ns=st.ns,
+            )
             if self.blocks.hybrid:
                 self.blocks.place(job, segments, all_ids, local, hit)
         except Exception as exc:  # noqa: BLE001 - the request must still get its answer
             self.stats.count("errors", "update_state_after_alloc")
             log.exception("kvdisk: planning the load of %s failed", request.request_id)
             all_ids = blocks.get_block_ids()
-            job = LoadJob(request.request_id, st.scope, [], start,
-                          self.blocks.main(all_ids)[start:end], fail=str(exc),
-                          groups=[list(g[start:end]) for g in all_ids] if len(all_ids) > 1 else [])
+            job = LoadJob(
+                request.request_id,
+                st.scope,
+                [],
+                start,
+                self.blocks.main(all_ids)[start:end],
+                fail=str(exc),
+                groups=[list(g[start:end]) for g in all_ids] if len(all_ids) > 1 else [],
+            )
         self._loads.append(job)
         self.stats.add("tokens_looked_up", request.num_prompt_tokens)
         self.report.hit(st.ns, lookup, ids, local, num_external_tokens, len(job.files))
@@ -232,7 +288,9 @@ class SchedulerSide:
         meta = StepMeta(self._loads, [], scheduler_output.total_num_scheduled_tokens)
         self._loads = []
         try:
-            self.states.take(scheduler_output, lambda r: getattr(self._reqs.get(r), "may_save", False))
+            self.states.take(
+                scheduler_output, lambda r: getattr(self._reqs.get(r), "may_save", False)
+            )
             for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
                 st = self._reqs.get(req_id)
                 if st is None or not st.may_save:
@@ -284,8 +342,9 @@ class SchedulerSide:
         return self._finished(request, [list(block_ids)])
 
     @guarded("request_finished", lambda: (False, None))  # the same hook, per group
-    def request_finished_all_groups(self, request: Any,
-                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict | None]:
         return self._finished(request, [list(ids) for ids in block_ids])
 
     def _finished(self, request: Any, group_ids: list[list[int]]) -> tuple[bool, dict | None]:
@@ -358,8 +417,11 @@ class SchedulerSide:
         """Remove this model's checkpoints (every LoRA, salt and TP rank of it) from disk.
         Each namespace directory is renamed away first, so concurrent readers only miss;
         its files are deleted by a thread, after the step."""
-        mine = {k: v for k, v in self.base_fp.describe().items()
-                if k not in ("lora", "salt_digest", "tp_rank", "pp_rank", "layers")}
+        mine = {
+            k: v
+            for k, v in self.base_fp.describe().items()
+            if k not in ("lora", "salt_digest", "tp_rank", "pp_rank", "layers")
+        }
         removed = spaces = 0
         for ns in self.store.namespaces():
             info = self.store.namespace_info(ns)
@@ -370,8 +432,12 @@ class SchedulerSide:
             self.events.removed_namespace(ns)
         for st in self._reqs.values():
             st.memo = st.memo_key = st.memo_ids = None
-        log.info("kvdisk: cache reset: %d checkpoint(s) removed in %d namespace(s) of %s",
-                 removed, spaces, self.base_fp.model)
+        log.info(
+            "kvdisk: cache reset: %d checkpoint(s) removed in %d namespace(s) of %s",
+            removed,
+            spaces,
+            self.base_fp.model,
+        )
         return True
 
     def has_pending_push_work(self) -> bool:

@@ -4,7 +4,8 @@ checkpointed first (the ``shutdown`` save reason)."""
 from __future__ import annotations
 
 import signal
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def on_stop_signal(callback: Callable[[], None]) -> None:

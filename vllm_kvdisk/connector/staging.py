@@ -11,7 +11,7 @@ that returns page-locked memory, so device copies run at full speed. Pure: numpy
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -21,8 +21,7 @@ def _numpy_buffer(nbytes: int) -> np.ndarray:
 
 
 class StagingPool:
-    def __init__(self, max_bytes: int,
-                 allocate: Callable[[int], np.ndarray] = _numpy_buffer):
+    def __init__(self, max_bytes: int, allocate: Callable[[int], np.ndarray] = _numpy_buffer):
         self.max_bytes = max_bytes
         self.allocate = allocate
         self._free: dict[int, list[np.ndarray]] = {}

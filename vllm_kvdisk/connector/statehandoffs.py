@@ -18,7 +18,8 @@ kept until the workers name it in ``finished_sending``.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from vllm_kvdisk.core.format import Group, GroupKind
 
@@ -48,7 +49,9 @@ class StateHandoffs:
             for group, block_id, tokens in entries:
                 if group in self.state_groups and block_id:
                     by_boundary.setdefault(int(tokens), {})[int(group)] = int(block_id)
-            whole = [t for t, blocks in by_boundary.items() if len(blocks) == len(self.state_groups)]
+            whole = [
+                t for t, blocks in by_boundary.items() if len(blocks) == len(self.state_groups)
+            ]
             if not whole:
                 continue
             tokens = max(whole)
@@ -89,5 +92,6 @@ class StateHandoffs:
     @property
     def pinned(self) -> int:
         """Blocks pinned now (running requests' newest boundaries and finished ones')."""
-        return (sum(len(b) for _, b in self._newest.values())
-                + sum(len(b) for b in self._after_finish.values()))
+        return sum(len(b) for _, b in self._newest.values()) + sum(
+            len(b) for b in self._after_finish.values()
+        )

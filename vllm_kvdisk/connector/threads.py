@@ -75,8 +75,7 @@ def numa_node(cpu: int, sysfs: str = "/sys/devices/system/cpu") -> int | None:
     return nodes[0] if len(nodes) == 1 else None
 
 
-def plan_cpus(own: set[int], engine: set[int], bind: str | None,
-              node_of=numa_node) -> CpuPlan:
+def plan_cpus(own: set[int], engine: set[int], bind: str | None, node_of=numa_node) -> CpuPlan:
     """Where I/O threads go, for a worker bound to ``own`` under an engine process
     allowed ``engine``."""
     if not own or not own < engine:
@@ -97,8 +96,12 @@ def current_plan() -> CpuPlan:
         return CpuPlan()
     plan = plan_cpus(set(own), set(engine), os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
     if plan.saves is not None:
-        log.info("kvdisk: saves run on CPUs %s, loads on %s (the engine computes on %s)",
-                 sorted(plan.saves), sorted(plan.loads or ()), sorted(own))
+        log.info(
+            "kvdisk: saves run on CPUs %s, loads on %s (the engine computes on %s)",
+            sorted(plan.saves),
+            sorted(plan.loads or ()),
+            sorted(own),
+        )
     return plan
 
 
@@ -114,6 +117,10 @@ def shorten_gil_switch(switch_us: int) -> None:
     than it is."""
     want = switch_us / 1e6
     if want and want < sys.getswitchinterval():
-        log.info("kvdisk: GIL switch interval %.0f -> %.0f us, so I/O threads are not "
-                 "starved by the engine loop", sys.getswitchinterval() * 1e6, want * 1e6)
+        log.info(
+            "kvdisk: GIL switch interval %.0f -> %.0f us, so I/O threads are not "
+            "starved by the engine loop",
+            sys.getswitchinterval() * 1e6,
+            want * 1e6,
+        )
         sys.setswitchinterval(want)

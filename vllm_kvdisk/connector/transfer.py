@@ -17,8 +17,8 @@ the compute stream; ``gather`` and ``scatter`` return only after the copy is com
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -85,7 +85,8 @@ def group_kernel_blocks(layers: Sequence[torch.Tensor], num_blocks: int) -> list
             raise ValueError(
                 f"kvdisk: a KV cache view has {rows} blocks, which is not a whole number of "
                 f"kernel blocks per each of the engine's {num_blocks} blocks; its pages "
-                "cannot be addressed by block id")
+                "cannot be addressed by block id"
+            )
     return out
 
 
@@ -108,11 +109,15 @@ def block_pages(value: torch.Tensor | Sequence[torch.Tensor], num_blocks: int) -
         rows, size = int(t.shape[0]), t.element_size()
         if t.untyped_storage().data_ptr() != storage.data_ptr() or rows % num_blocks:
             raise ValueError("kvdisk: a KV cache layer's views are not blocks of one buffer")
-        stride = int(t.stride(0)) * size * (rows // num_blocks)  # a kernel-block split: whole blocks
+        stride = (
+            int(t.stride(0)) * size * (rows // num_blocks)
+        )  # a kernel-block split: whole blocks
         extent = size * (1 + sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:])))
         if min(t.stride()) < 0 or page not in (0, stride) or extent > int(t.stride(0)) * size:
-            raise ValueError("kvdisk: a KV cache layer is not laid out block by block, so its "
-                             "pages cannot be copied by block id")
+            raise ValueError(
+                "kvdisk: a KV cache layer is not laid out block by block, so its "
+                "pages cannot be copied by block id"
+            )
         page = stride
         starts.append((t.storage_offset() * size, extent))
     base = min(a for a, _ in starts)
@@ -164,9 +169,18 @@ class CudaStreams:
 
 
 class PageMover:
-    def __init__(self, layers: Sequence[torch.Tensor], block_size: int, layout_name: str, *,
-                 num_blocks: int = 0, tp_rank: int = 0, tp_size: int = 1,
-                 host_copies: bool = True, streams: CudaStreams | None = None):
+    def __init__(
+        self,
+        layers: Sequence[torch.Tensor],
+        block_size: int,
+        layout_name: str,
+        *,
+        num_blocks: int = 0,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        host_copies: bool = True,
+        streams: CudaStreams | None = None,
+    ):
         """``num_blocks``: the engine's block count from its KV cache config (0: the
         views' own). ``host_copies=False`` forces the torch page path a device uses."""
         if not layers:
@@ -178,8 +192,15 @@ class PageMover:
         for t in layers:
             if tuple(t.shape) != tuple(first.shape) or t.dtype != first.dtype:
                 raise ValueError("kvdisk: layers with different KV shapes are not supported")
-        self.layout = PageLayout(layout_name, block_size, len(layers), tuple(first.shape[1:]),
-                                 dtype_name(first.dtype), tp_rank, tp_size)
+        self.layout = PageLayout(
+            layout_name,
+            block_size,
+            len(layers),
+            tuple(first.shape[1:]),
+            dtype_name(first.dtype),
+            tp_rank,
+            tp_size,
+        )
         self.layout.validate()
         # Logical per-layer tensors, block dimension first. Indexing dim 0 copies exactly
         # one block's logical contents whatever the physical strides are.
@@ -190,11 +211,13 @@ class PageMover:
         self._host: list[np.ndarray] | None = None
         self._host_bytes: list[memoryview] = []  # each layer as one flat byte view
         if host_copies and self.device.type == "cpu" and all(t.is_contiguous() for t in layers):
-            self._host = [t.view(torch.uint8).reshape(self.num_blocks, -1).numpy()
-                          for t in layers]
+            self._host = [t.view(torch.uint8).reshape(self.num_blocks, -1).numpy() for t in layers]
             self._host_bytes = [memoryview(a).cast("B") for a in self._host]
-        self._cuda = streams if streams is not None else (
-            CudaStreams(self.device) if self.device.type == "cuda" else None)
+        self._cuda = (
+            streams
+            if streams is not None
+            else (CudaStreams(self.device) if self.device.type == "cuda" else None)
+        )
 
     def _ids(self, block_ids: Sequence[int]) -> np.ndarray:
         """Block ids as int64, every one checked to name a block of this cache."""
@@ -214,16 +237,22 @@ class PageMover:
         on the engine thread after the forward; pass it to ``gather`` from any thread)."""
         return self._cuda.mark() if self._cuda is not None else None
 
-    def gather(self, block_ids: Sequence[int], out: Sequence[np.ndarray],
-               after: object | None = None) -> None:
+    def gather(
+        self, block_ids: Sequence[int], out: Sequence[np.ndarray], after: object | None = None
+    ) -> None:
         """Copy the pages of ``block_ids`` of every layer into ``out`` (one uint8 array of
         len(block_ids) x page_bytes per layer, e.g. from a StagingPool). ``after``: a
         ``mark()``; without one the copy waits for everything queued on the compute
         stream."""
         self.gather_layers([block_ids] * len(self._layers), out, after)
 
-    def gather_layers(self, block_ids: Sequence[Sequence[int]], out: Sequence[np.ndarray],
-                      after: object | None = None, layers: Sequence[int] | None = None) -> None:
+    def gather_layers(
+        self,
+        block_ids: Sequence[Sequence[int]],
+        out: Sequence[np.ndarray],
+        after: object | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> None:
         """``gather`` with each layer's own block ids (the layers of a hybrid model's KV
         cache groups have a block table each); ``layers``: only these layers, in this
         order (``block_ids`` and ``out`` then hold one item per layer named)."""
@@ -237,8 +266,13 @@ class PageMover:
                     checked[id(ids)] = self._ids(ids)
                 # mode="clip": ids are checked, and "raise" buffers the output
                 # (measured: half the speed of a plain copy instead of 0.8).
-                np.take(src, checked[id(ids)], axis=0,
-                        out=dst.reshape(len(ids), self.page_bytes), mode="clip")
+                np.take(
+                    src,
+                    checked[id(ids)],
+                    axis=0,
+                    out=dst.reshape(len(ids), self.page_bytes),
+                    mode="clip",
+                )
             return
         cuda = self._cuda
         if cuda is not None:
@@ -253,11 +287,13 @@ class PageMover:
                 idx, n = index[id(ids)], len(ids)
                 rows = torch.from_numpy(dst).reshape(n, -1)
                 for a in range(0, n, step):  # the device temporary: one piece at a time
-                    piece = torch.index_select(t, 0, idx[a:a + step]).contiguous()
+                    piece = torch.index_select(t, 0, idx[a : a + step]).contiguous()
                     # Into pinned staging: asynchronous, ordered on the side stream, which
                     # also orders the piece's memory for reuse by the next one.
-                    rows[a:a + step].copy_(piece.view(torch.uint8).reshape(len(piece), -1),
-                                           non_blocking=cuda is not None)
+                    rows[a : a + step].copy_(
+                        piece.view(torch.uint8).reshape(len(piece), -1),
+                        non_blocking=cuda is not None,
+                    )
         if cuda is not None:
             cuda.finish()  # the blocks may be freed as soon as this returns
 
@@ -289,7 +325,7 @@ class PageMover:
         # Runs come from block_runs (ids checked); a slice past the end would come out
         # short, and read_layers_into refuses buffers of the wrong size.
         flat, pb = self._host_bytes[layer], self.page_bytes
-        return [flat[first * pb:(first + count) * pb] for first, count in runs]
+        return [flat[first * pb : (first + count) * pb] for first, count in runs]
 
     def scatter(self, layer: int, block_ids: Sequence[int], pages: np.ndarray) -> None:
         """Write host ``pages`` (n x page_bytes bytes) into blocks ``block_ids`` of one layer."""
@@ -307,7 +343,8 @@ class PageMover:
         with cuda.on_side() if cuda is not None else nullcontext():
             idx = self._index(block_ids)
             for a in range(0, n, step):  # the uploaded piece is the device temporary
-                target.index_copy_(0, idx[a:a + step],
-                                   src[a:a + step].to(self.device, non_blocking=True))
+                target.index_copy_(
+                    0, idx[a : a + step], src[a : a + step].to(self.device, non_blocking=True)
+                )
         if cuda is not None:
             cuda.finish()

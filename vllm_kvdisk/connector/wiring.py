@@ -12,11 +12,22 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvdisk.core.compat import (GroupInfo, Placement, UnsupportedConfig, check_context_parallel,
-                                     check_kv_dtype, groups_signature, kv_dtype_identity, kv_groups,
-                                     kv_shard, layer_range, state_signature, tp_replicas)
-from vllm_kvdisk.core.format import GroupKind
+from vllm_kvdisk.core.compat import (
+    GroupInfo,
+    Placement,
+    UnsupportedConfig,
+    check_context_parallel,
+    check_kv_dtype,
+    groups_signature,
+    kv_dtype_identity,
+    kv_groups,
+    kv_shard,
+    layer_range,
+    state_signature,
+    tp_replicas,
+)
 from vllm_kvdisk.core.config import KVDiskConfig, load_config
+from vllm_kvdisk.core.format import GroupKind
 from vllm_kvdisk.core.identity import model_identity
 from vllm_kvdisk.core.keys import Fingerprint
 from vllm_kvdisk.core.tokens import TokenTable, table_from_tokenizer
@@ -34,8 +45,9 @@ def engine_config(vllm_config: VllmConfig) -> KVDiskConfig:
     return load_config(extra, os.environ)
 
 
-def engine_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
-                       tp_rank: int, pp_rank: int = 0) -> tuple[Fingerprint, Placement]:
+def engine_fingerprint(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, tp_rank: int, pp_rank: int = 0
+) -> tuple[Fingerprint, Placement]:
     """Everything that makes this engine's pages (in)compatible with a file's pages, or
     UnsupportedConfig naming the setting that kvdisk cannot serve exactly."""
     from vllm.platforms import current_platform
@@ -46,17 +58,23 @@ def engine_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig |
     cache, parallel = vllm_config.cache_config, vllm_config.parallel_config
     if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
         raise UnsupportedConfig("kvdisk: the engine has no KV cache groups")
-    check_context_parallel(getattr(parallel, "decode_context_parallel_size", 1),
-                           getattr(parallel, "prefill_context_parallel_size", 1))
+    check_context_parallel(
+        getattr(parallel, "decode_context_parallel_size", 1),
+        getattr(parallel, "prefill_context_parallel_size", 1),
+    )
     check_kv_dtype(str(cache.cache_dtype))  # before the tensor dtype: int8 has no name
-    infos = [group_info(g.kv_cache_spec, len(g.layer_names))
-             for g in kv_cache_config.kv_cache_groups]
+    infos = [
+        group_info(g.kv_cache_spec, len(g.layer_names)) for g in kv_cache_config.kv_cache_groups
+    ]
     groups = kv_groups(infos)
     states = tuple(state_signature(i.state) for i in infos if i.state_mode)
     # Heads, head size and dtype come from the first attention group (kv_groups checked
     # that there is one); a state group's geometry is in the groups' signature.
-    spec = next(g.kv_cache_spec for g, kind in zip(kv_cache_config.kv_cache_groups, groups)
-                if kind.kind != GroupKind.STATE)
+    spec = next(
+        g.kv_cache_spec
+        for g, kind in zip(kv_cache_config.kv_cache_groups, groups)
+        if kind.kind != GroupKind.STATE
+    )
     head_v = getattr(spec, "head_size_v", None) or spec.head_size
     try:
         layout = str(cache.get_resolved_kv_cache_layout().name)
@@ -68,24 +86,44 @@ def engine_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig |
     tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     # vLLM counts replicas only where backends publish their shard count; the model's
     # own shape (MLA, fewer KV heads than ranks) says it too. Both divide tp_size.
-    replicas = max(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1, tp_replicas(
-        tp_size, model_config.get_total_num_kv_heads(), mla=isinstance(spec, MLAAttentionSpec)))
+    replicas = max(
+        getattr(kv_cache_config, "kv_tp_replicas", 1) or 1,
+        tp_replicas(
+            tp_size, model_config.get_total_num_kv_heads(), mla=isinstance(spec, MLAAttentionSpec)
+        ),
+    )
     if states:  # linear-attention states are sharded by head: every rank's are its own
         replicas = 1
     shard = kv_shard(tp_rank, tp_size, replicas)
-    kv_dtype = kv_dtype_identity(str(cache.cache_dtype), dtype_name(spec.dtype),
-                                 tuple(getattr(cache, "kv_cache_dtype_skip_layers", ()) or ()))
+    kv_dtype = kv_dtype_identity(
+        str(cache.cache_dtype),
+        dtype_name(spec.dtype),
+        tuple(getattr(cache, "kv_cache_dtype_skip_layers", ()) or ()),
+    )
     model, revision = model_identity(str(model_config.model), model_config.revision)
     fp = Fingerprint(
-        model=model, revision=revision, kv_dtype=kv_dtype,
+        model=model,
+        revision=revision,
+        kv_dtype=kv_dtype,
         layout=f"{current_platform.device_type}:{layout}/"
-               f"L{len(names)}xH{spec.num_kv_heads}xC{spec.head_size + head_v}"
-               + groups_signature(groups, states),
-        block_size=spec.block_size, tp_size=tp_size, tp_rank=shard.index,
-        pp_size=pp_size, pp_rank=pp_rank if pp_size > 1 else 0,
-        layers=layer_range(names) if pp_size > 1 else "")
-    return fp, Placement(tp_rank, pp_rank, shard, tuple(names), kv_cache_config.num_blocks,
-                         groups=groups, group_layers=by_group if len(by_group) > 1 else ())
+        f"L{len(names)}xH{spec.num_kv_heads}xC{spec.head_size + head_v}"
+        + groups_signature(groups, states),
+        block_size=spec.block_size,
+        tp_size=tp_size,
+        tp_rank=shard.index,
+        pp_size=pp_size,
+        pp_rank=pp_rank if pp_size > 1 else 0,
+        layers=layer_range(names) if pp_size > 1 else "",
+    )
+    return fp, Placement(
+        tp_rank,
+        pp_rank,
+        shard,
+        tuple(names),
+        kv_cache_config.num_blocks,
+        groups=groups,
+        group_layers=by_group if len(by_group) > 1 else (),
+    )
 
 
 def group_info(spec: Any, layers: int) -> GroupInfo:
@@ -93,8 +131,13 @@ def group_info(spec: Any, layers: int) -> GroupInfo:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     head_v = getattr(spec, "head_size_v", None) or getattr(spec, "head_size", 0)
-    page = (str(getattr(spec, "dtype", "")), getattr(spec, "num_kv_heads", 0),
-            getattr(spec, "head_size", 0), head_v, getattr(spec, "page_size_bytes", 0))
+    page = (
+        str(getattr(spec, "dtype", "")),
+        getattr(spec, "num_kv_heads", 0),
+        getattr(spec, "head_size", 0),
+        head_v,
+        getattr(spec, "page_size_bytes", 0),
+    )
     window = 0
     if isinstance(spec, SlidingWindowSpec):
         window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
@@ -104,13 +147,22 @@ def group_info(spec: Any, layers: int) -> GroupInfo:
     state_mode, state = "", ()
     if type(spec).__name__ == "MambaSpec":
         state_mode = str(getattr(spec, "mamba_cache_mode", "") or "none")
-        state = tuple((tuple(int(d) for d in shape), str(dtype).removeprefix("torch."))
-                      for shape, dtype in zip(spec.shapes, spec.dtypes))
-    return GroupInfo(type(spec).__name__, layers, int(spec.block_size), page,
-                     full=full and isinstance(spec, FullAttentionSpec), window=window,
-                     state_mode=state_mode, state=state,
-                     speculative_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0),
-                     page_bytes=int(getattr(spec, "page_size_bytes", 0) or 0))
+        state = tuple(
+            (tuple(int(d) for d in shape), str(dtype).removeprefix("torch."))
+            for shape, dtype in zip(spec.shapes, spec.dtypes)
+        )
+    return GroupInfo(
+        type(spec).__name__,
+        layers,
+        int(spec.block_size),
+        page,
+        full=full and isinstance(spec, FullAttentionSpec),
+        window=window,
+        state_mode=state_mode,
+        state=state,
+        speculative_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0),
+        page_bytes=int(getattr(spec, "page_size_bytes", 0) or 0),
+    )
 
 
 def token_table_for(vllm_config: VllmConfig) -> TokenTable:
@@ -129,11 +181,16 @@ def build_scheduler_side(vllm_config: VllmConfig, kv_cache_config: Any) -> Sched
     # of TP rank 0 of pipeline stage 0.
     fp, placement = engine_fingerprint(vllm_config, kv_cache_config, tp_rank=0)
     events = getattr(vllm_config, "kv_events_config", None)
-    return SchedulerSide(engine_config(vllm_config), fp, token_table_for(vllm_config),
-                         fp.block_size, vllm_config.model_config.max_model_len,
-                         groups=placement.groups,
-                         events=bool(events and events.enable_kv_cache_events),
-                         workers=vllm_config.parallel_config.world_size)
+    return SchedulerSide(
+        engine_config(vllm_config),
+        fp,
+        token_table_for(vllm_config),
+        fp.block_size,
+        vllm_config.model_config.max_model_len,
+        groups=placement.groups,
+        events=bool(events and events.enable_kv_cache_events),
+        workers=vllm_config.parallel_config.world_size,
+    )
 
 
 def build_worker_side(vllm_config: VllmConfig, kv_cache_config: Any) -> WorkerSide:
@@ -141,7 +198,10 @@ def build_worker_side(vllm_config: VllmConfig, kv_cache_config: Any) -> WorkerSi
 
     from vllm_kvdisk.connector.worker import WorkerSide
 
-    fp, placement = engine_fingerprint(vllm_config, kv_cache_config,
-                                       tp_rank=get_tensor_model_parallel_rank(),
-                                       pp_rank=get_pp_group().rank_in_group)
+    fp, placement = engine_fingerprint(
+        vllm_config,
+        kv_cache_config,
+        tp_rank=get_tensor_model_parallel_rank(),
+        pp_rank=get_pp_group().rank_in_group,
+    )
     return WorkerSide(engine_config(vllm_config), fp, fp.block_size, placement)

@@ -4,7 +4,8 @@ Runs in each vLLM worker process; each method is the vLLM hook of the same name 
 connector facade delegates one line each). The engine step only enqueues work: a copy
 thread gathers a save's pages into host staging after the step (on a GPU, on a side stream
 behind an event recorded after the forward), a write pool encodes and writes them, and a
-load pool of its own reads files back (``loading.Loads``), so a load never waits behind a write or an fsync.
+load pool of its own reads files back (``loading.Loads``), so a load never waits behind a
+write or an fsync.
 
 Invariants:
 * A load verifies every file before using it (``restore.Restorer``). A file proven corrupt
@@ -30,32 +31,39 @@ from typing import Any
 
 import numpy as np
 
-from vllm_kvdisk.storage.budget import SaveSkipped
-from vllm_kvdisk.core.compat import Placement
-from vllm_kvdisk.core.config import KVDiskConfig
-from vllm_kvdisk.core.format import GroupKind, has_state, is_hybrid
-from vllm_kvdisk.core.entry import Entry
-from vllm_kvdisk.connector.jobs import SaveJob, Scope, StepMeta, WorkerReport
-from vllm_kvdisk.core.keys import Fingerprint, Namespaces
-from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.connector.guard import guarded
-from vllm_kvdisk.ops.metrics import KVDiskStats, snapshot
-from vllm_kvdisk.ops.recorder import StatsRecorder
-from vllm_kvdisk.core.encode import encode_plan
+from vllm_kvdisk.connector.jobs import SaveJob, Scope, StepMeta, WorkerReport
 from vllm_kvdisk.connector.loading import Loads
 from vllm_kvdisk.connector.staging import StagingPool
 from vllm_kvdisk.connector.threads import CpuPlan, current_plan, pin, shorten_gil_switch
-from vllm_kvdisk.storage.store import Store
-from vllm_kvdisk.ops.trace import Trace
 from vllm_kvdisk.connector.transfer import PageMover, block_pages, pinned_buffer, unique_layers
+from vllm_kvdisk.core.compat import Placement
+from vllm_kvdisk.core.config import KVDiskConfig
+from vllm_kvdisk.core.encode import encode_plan
+from vllm_kvdisk.core.entry import Entry
+from vllm_kvdisk.core.format import GroupKind, has_state, is_hybrid
+from vllm_kvdisk.core.keys import Fingerprint, Namespaces
+from vllm_kvdisk.core.logs import get_logger
+from vllm_kvdisk.ops.metrics import KVDiskStats, snapshot
+from vllm_kvdisk.ops.recorder import StatsRecorder
+from vllm_kvdisk.ops.trace import Trace
+from vllm_kvdisk.storage.budget import SaveSkipped
+from vllm_kvdisk.storage.store import Store
 
 log = get_logger(__name__)
 
+
 class WorkerSide:
-    def __init__(self, config: KVDiskConfig, fingerprint: Fingerprint, block_size: int,
-                 placement: Placement = Placement()):
+    def __init__(
+        self,
+        config: KVDiskConfig,
+        fingerprint: Fingerprint,
+        block_size: int,
+        placement: Placement | None = None,
+    ):
         self.config = config
         self.stats = StatsRecorder()
+        placement = Placement() if placement is None else placement
         self.placement = placement
         # A hybrid model (several KV cache groups, or sliding windows): each group's
         # layers have a block table of their own, and vLLM frees a window's blocks in
@@ -74,10 +82,14 @@ class WorkerSide:
         # Loads never wait behind a save's write or fsync: each has its own threads. One
         # copy thread takes page copies off the engine step, in order. Their CPUs: threads.
         self._cpus = CpuPlan()  # known once vLLM bound this process (register_kv_caches)
-        self.pool = ThreadPoolExecutor(config.kv_disk_io_threads, thread_name_prefix="kvdisk-write",
-                                       initializer=lambda: pin(self._cpus.saves))
-        self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvdisk-copy",
-                                          initializer=lambda: pin(self._cpus.saves))
+        self.pool = ThreadPoolExecutor(
+            config.kv_disk_io_threads,
+            thread_name_prefix="kvdisk-write",
+            initializer=lambda: pin(self._cpus.saves),
+        )
+        self._copier = ThreadPoolExecutor(
+            1, thread_name_prefix="kvdisk-copy", initializer=lambda: pin(self._cpus.saves)
+        )
         self.staging = StagingPool(config.kv_disk_staging_mb * 1024 * 1024)
         self.mover: PageMover | None = None
         self._lock = threading.Lock()
@@ -91,41 +103,61 @@ class WorkerSide:
         self._staging_cap = config.kv_disk_staging_inflight_mb << 20
         self._step: tuple[int, float] = (0, 0.0)  # (tokens, start) of the step in flight
         self._idle = True  # the step in flight computes nothing (kept past its timing)
-        self.loads = Loads(store=self.store, stats=self.stats, trace=self.trace,
-                           namespaces=self.namespaces, block_size=block_size,
-                           io_threads=config.kv_disk_io_threads,
-                           counts_tokens=self._counts_tokens, by_request=self.hybrid,
-                           lock=self._lock, report=lambda: self._report, background=self.pool,
-                           pin=lambda: pin(self._cpus.loads))
+        self.loads = Loads(
+            store=self.store,
+            stats=self.stats,
+            trace=self.trace,
+            namespaces=self.namespaces,
+            block_size=block_size,
+            io_threads=config.kv_disk_io_threads,
+            counts_tokens=self._counts_tokens,
+            by_request=self.hybrid,
+            lock=self._lock,
+            report=lambda: self._report,
+            background=self.pool,
+            pin=lambda: pin(self._cpus.loads),
+        )
 
     # -- setup ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         place = self.placement
         missing = sorted(set(place.layer_names) - set(kv_caches))
         if missing:  # another stage's layers: its files would restore into the wrong layers
-            raise ValueError(f"kvdisk: the KV caches registered lack {len(missing)} layer(s) "
-                             f"of this worker's KV cache config, e.g. {missing[0]}")
+            raise ValueError(
+                f"kvdisk: the KV caches registered lack {len(missing)} layer(s) "
+                f"of this worker's KV cache config, e.g. {missing[0]}"
+            )
         if has_state(self.groups):  # every layer as raw block pages (a state's views sit
             # inside each block's page, K/V block-outer beside them): transfer.block_pages
             names = place.group_layers or (place.layer_names,)
-            layers = [block_pages(kv_caches[name], place.num_blocks)
-                      for group in names for name in group]
+            layers = [
+                block_pages(kv_caches[name], place.num_blocks) for group in names for name in group
+            ]
         elif place.group_layers:  # one tensor per layer of each group, in group order: the
             # groups' views alias one allocation, so nothing may be de-duplicated
             layers = [kv_caches[name] for names in place.group_layers for name in names]
         else:
             layers = [t for _, t in unique_layers(kv_caches)]
-        self.mover = PageMover(layers, self.block_size, self.base_fp.layout.split("/")[0],
-                               num_blocks=place.num_blocks, tp_rank=place.shard.index,
-                               tp_size=place.shard.count)
+        self.mover = PageMover(
+            layers,
+            self.block_size,
+            self.base_fp.layout.split("/")[0],
+            num_blocks=place.num_blocks,
+            tp_rank=place.shard.index,
+            tp_size=place.shard.count,
+        )
         if self.mover.device.type == "cuda":
             self.staging.allocate = pinned_buffer  # device copies want page-locked memory
         self.loads.attach(self.mover, self.staging, self.groups)
         self.store.start()
         self._cpus = current_plan()
         shorten_gil_switch(self.config.kv_disk_gil_switch_us)
-        log.info("kvdisk worker: %d layers, page %d bytes, %d checkpoint(s) on disk",
-                 len(layers), self.mover.page_bytes, len(self.store.index))
+        log.info(
+            "kvdisk worker: %d layers, page %d bytes, %d checkpoint(s) on disk",
+            len(layers),
+            self.mover.page_bytes,
+            len(self.store.index),
+        )
 
     def _fp(self, scope: Scope) -> Fingerprint:
         return self.namespaces.fingerprint(scope.lora, scope.salt_digest)
@@ -201,22 +233,25 @@ class WorkerSide:
             if not busy:
                 self._inflight[job.plan.sha1] = (done, job)
         if busy:  # the disk is slower than the saves: skip one rather than grow memory
-            self._save_failed(job, f"{staged >> 20} MiB of saves in flight, cap "
-                              f"{self._staging_cap >> 20} MiB", "busy")
+            self._save_failed(
+                job,
+                f"{staged >> 20} MiB of saves in flight, cap {self._staging_cap >> 20} MiB",
+                "busy",
+            )
             self._confirm_copy(job.req_id)
             return
         after = mover.mark()  # on a GPU: an event after this step's forward
         try:
-            self._copier.submit(self._copy, job, nbytes, after, parent[0] if parent else None,
-                                done)
+            self._copier.submit(self._copy, job, nbytes, after, parent[0] if parent else None, done)
         except RuntimeError:  # shutting down
             if job.groups:
                 self._windows_copied()
             self._copied(job.req_id)
             self._end_save(job, [], nbytes, done, False, "the worker is shutting down")
 
-    def _copy(self, job: SaveJob, nbytes: int, after: Any, parent: Future | None,
-              done: Future) -> None:
+    def _copy(
+        self, job: SaveJob, nbytes: int, after: Any, parent: Future | None, done: Future
+    ) -> None:
         """Copy thread: the pages into staging (pinned memory is allocated here, never on
         the engine thread), then the write goes to the write pool."""
         mover = self.mover
@@ -232,8 +267,12 @@ class WorkerSide:
                 kinds = [g.kind for g in self.groups for _ in range(g.layers)]
                 for freed_early in (True, False):
                     part = [i for i, k in enumerate(kinds) if (k != GroupKind.FULL) == freed_early]
-                    mover.gather_layers([layer_ids[i] for i in part], [pages[i] for i in part],
-                                        after=after, layers=part)
+                    mover.gather_layers(
+                        [layer_ids[i] for i in part],
+                        [pages[i] for i in part],
+                        after=after,
+                        layers=part,
+                    )
                     if freed_early:
                         self._windows_copied()
                         windows_pending = False
@@ -282,8 +321,15 @@ class WorkerSide:
         with self._lock:
             self._report.copied.append(req_id)
 
-    def _end_save(self, job: SaveJob, pages: list[np.ndarray], nbytes: int, done: Future,
-                  ok: bool, why: str | None = None) -> None:
+    def _end_save(
+        self,
+        job: SaveJob,
+        pages: list[np.ndarray],
+        nbytes: int,
+        done: Future,
+        ok: bool,
+        why: str | None = None,
+    ) -> None:
         """A save is over (written, skipped or failed): give back its memory, tell the
         children waiting on it."""
         if why is not None:
@@ -309,8 +355,14 @@ class WorkerSide:
         with self._lock:
             return {(j.plan.ns, j.plan.parent) for _, j in self._inflight.values() if j.plan.parent}
 
-    def _save(self, job: SaveJob, pages: list[np.ndarray], nbytes: int, parent: Future | None,
-              done: Future) -> None:
+    def _save(
+        self,
+        job: SaveJob,
+        pages: list[np.ndarray],
+        nbytes: int,
+        parent: Future | None,
+        done: Future,
+    ) -> None:
         ok = False
         try:
             ok = self._write(job, pages, parent)
@@ -327,12 +379,19 @@ class WorkerSide:
             fp = self._fp(job.scope)
             ns = self.store.ensure_namespace(fp)
             mover = self.mover
-            encoded = encode_plan(plan, text=job.text, ids=job.token_ids,
-                                  layers=[memoryview(p).cast("B") for p in pages],
-                                  layout=mover.layout, fingerprint=fp.digest(),
-                                  kv_dtype=mover.layout.dtype, context_size=job.context_size,
-                                  now=int(time.time()), tool_map=job.tool_map,
-                                  groups=self.groups)
+            encoded = encode_plan(
+                plan,
+                text=job.text,
+                ids=job.token_ids,
+                layers=[memoryview(p).cast("B") for p in pages],
+                layout=mover.layout,
+                fingerprint=fp.digest(),
+                kv_dtype=mover.layout.dtype,
+                context_size=job.context_size,
+                now=int(time.time()),
+                tool_map=job.tool_map,
+                groups=self.groups,
+            )
             entry = self.store.write(ns, plan.sha1, encoded, protect=self._protected())
         except SaveSkipped as exc:
             self._save_failed(job, exc.detail, exc.reason)
@@ -348,9 +407,16 @@ class WorkerSide:
         self.stats.count("saves", plan.reason.name.lower())
         self.stats.add("bytes_written", entry.size)
         self.trace.saved(plan.reason.name.lower(), plan.sha1, plan.tokens, entry.size, seconds)
-        log.debug("kvdisk: saved %s tokens %d..%d of %s (%s), %.1f MB in %.1f ms",
-                  plan.sha1[:12], plan.parent_tokens, plan.tokens, job.req_id,
-                  plan.reason.name.lower(), entry.size / 1e6, seconds * 1e3)
+        log.debug(
+            "kvdisk: saved %s tokens %d..%d of %s (%s), %.1f MB in %.1f ms",
+            plan.sha1[:12],
+            plan.parent_tokens,
+            plan.tokens,
+            job.req_id,
+            plan.reason.name.lower(),
+            entry.size / 1e6,
+            seconds * 1e3,
+        )
         return True
 
     # -- step results -----------------------------------------------------------------

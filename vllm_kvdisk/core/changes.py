@@ -15,15 +15,31 @@ import contextlib
 import gc
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from vllm_kvdisk.core.entry import Entry
 from vllm_kvdisk.core.format import Reason
 from vllm_kvdisk.core.index import Index
 
-FIELDS = ("ns", "sha1", "tokens", "parent", "parent_tokens", "reason", "hits", "created",
-          "last_used", "size", "token_digest", "head", "ids_at", "inode", "mtime_ns")
+FIELDS = (
+    "ns",
+    "sha1",
+    "tokens",
+    "parent",
+    "parent_tokens",
+    "reason",
+    "hits",
+    "created",
+    "last_used",
+    "size",
+    "token_digest",
+    "head",
+    "ids_at",
+    "inode",
+    "mtime_ns",
+)
 
 
 @contextlib.contextmanager
@@ -64,9 +80,23 @@ class Loaded:
 
 
 def entry_row(e: Entry) -> list[Any]:
-    return [e.ns, e.sha1, e.tokens, e.parent, e.parent_tokens, int(e.reason), e.hits,
-            e.created, e.last_used, e.size, e.token_digest, e.head, e.ids_at, e.inode,
-            e.mtime_ns]
+    return [
+        e.ns,
+        e.sha1,
+        e.tokens,
+        e.parent,
+        e.parent_tokens,
+        int(e.reason),
+        e.hits,
+        e.created,
+        e.last_used,
+        e.size,
+        e.token_digest,
+        e.head,
+        e.ids_at,
+        e.inode,
+        e.mtime_ns,
+    ]
 
 
 _NAMES = {16: re.compile(r"[0-9a-f]{16}"), 40: re.compile(r"[0-9a-f]{40}")}
@@ -79,21 +109,62 @@ def row_entry(row: Any) -> Entry:
     (The hot loop of a start from the journal: 100k rows; kept to plain checks.)"""
     if type(row) is not list or len(row) != 15:
         raise JournalError("entry row of the wrong shape")
-    (ns, sha1, tokens, parent, parent_tokens, reason, hits, created, last_used, size,
-     token_digest, head, ids_at, inode, mtime_ns) = row
+    (
+        ns,
+        sha1,
+        tokens,
+        parent,
+        parent_tokens,
+        reason,
+        hits,
+        created,
+        last_used,
+        size,
+        token_digest,
+        head,
+        ids_at,
+        inode,
+        mtime_ns,
+    ) = row
     if not (_hex(ns, 16) and _hex(sha1, 40) and (parent is None or _hex(parent, 40))):
         raise JournalError("entry with a bad name")
-    for value in (tokens, parent_tokens, hits, created, last_used, size, token_digest, head,
-                  ids_at, inode, mtime_ns):
+    for value in (
+        tokens,
+        parent_tokens,
+        hits,
+        created,
+        last_used,
+        size,
+        token_digest,
+        head,
+        ids_at,
+        inode,
+        mtime_ns,
+    ):
         if type(value) is not int or not 0 <= value < _U64:
             raise JournalError("entry with a bad number")
     if type(reason) is not int or reason not in _REASONS:  # a list would not hash
         raise JournalError("entry with an unknown reason")
     if parent_tokens >= tokens:
         raise JournalError("entry owning no tokens")
-    return Entry(ns, sha1, tokens, parent, parent_tokens, _REASONS[reason], hits, created,
-                 last_used, size, token_digest, head, ids_at, inode, mtime_ns,
-                 used_ns=mtime_ns)
+    return Entry(
+        ns,
+        sha1,
+        tokens,
+        parent,
+        parent_tokens,
+        _REASONS[reason],
+        hits,
+        created,
+        last_used,
+        size,
+        token_digest,
+        head,
+        ids_at,
+        inode,
+        mtime_ns,
+        used_ns=mtime_ns,
+    )
 
 
 def _hex(value: Any, length: int) -> bool:
@@ -107,9 +178,13 @@ def count_of(value: Any) -> int:
 
 
 def change_line(change: Change) -> bytes:
-    obj = {"before": change.before, "after": change.after,
-           "add": [entry_row(e) for e in change.add],
-           "remove": [list(r) for r in change.remove], "gone": list(change.gone)}
+    obj = {
+        "before": change.before,
+        "after": change.after,
+        "add": [entry_row(e) for e in change.add],
+        "remove": [list(r) for r in change.remove],
+        "gone": list(change.gone),
+    }
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
 
 
@@ -124,8 +199,13 @@ def parse_change(line: bytes) -> Change:
     for row in _list(obj.get("add")):
         change.add.append(row_entry(row))
     for row in _list(obj.get("remove")):
-        if (not isinstance(row, list) or len(row) != 3 or not _hex(row[0], 16)
-                or not _hex(row[1], 40) or not (row[2] is None or type(row[2]) is int)):
+        if (
+            not isinstance(row, list)
+            or len(row) != 3
+            or not _hex(row[0], 16)
+            or not _hex(row[1], 40)
+            or not (row[2] is None or type(row[2]) is int)
+        ):
             raise JournalError("bad removal")
         change.remove.append((row[0], row[1], row[2]))
     for ns in _list(obj.get("gone")):

@@ -52,15 +52,18 @@ def check_kv_dtype(cache_dtype: str) -> None:
             f"kvdisk: --kv-cache-dtype {cache_dtype} keeps its per-token-head scales in "
             "separate scale caches that a KV connector is not handed, so a restored page "
             "would be read with another request's scales. Use --kv-cache-dtype fp8_e4m3 "
-            "(or auto), or run without kvdisk.")
+            "(or auto), or run without kvdisk."
+        )
     raise UnsupportedConfig(
         f"kvdisk: --kv-cache-dtype {cache_dtype} is not supported: its packed page format "
         "(scales beside the values) is not verified to restore exactly. Use "
-        "--kv-cache-dtype fp8_e4m3 / fp8_e5m2 or auto, or run without kvdisk.")
+        "--kv-cache-dtype fp8_e4m3 / fp8_e5m2 or auto, or run without kvdisk."
+    )
 
 
-def kv_dtype_identity(cache_dtype: str, tensor_dtype: str,
-                      skip_layers: tuple[str, ...] = ()) -> str:
+def kv_dtype_identity(
+    cache_dtype: str, tensor_dtype: str, skip_layers: tuple[str, ...] = ()
+) -> str:
     """The KV dtype part of the namespace identity, or UnsupportedConfig.
 
     ``tensor_dtype`` is the cache tensors' dtype name (``float32``, ``uint8``, ...)."""
@@ -76,13 +79,15 @@ def kv_dtype_identity(cache_dtype: str, tensor_dtype: str,
 
 def check_context_parallel(dcp_size: int, pcp_size: int) -> None:
     if dcp_size > 1 or pcp_size > 1:
-        which = ("--decode-context-parallel-size" if dcp_size > 1
-                 else "--prefill-context-parallel-size")
+        which = (
+            "--decode-context-parallel-size" if dcp_size > 1 else "--prefill-context-parallel-size"
+        )
         raise UnsupportedConfig(
             f"kvdisk: {which} {max(dcp_size, pcp_size)} shards each block's tokens across "
             "ranks (a block then covers block_size x the context-parallel size tokens), "
             "which kvdisk's checkpoint arithmetic does not follow. Run with "
-            f"{which} 1, or without kvdisk.")
+            f"{which} 1, or without kvdisk."
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +116,8 @@ def kv_shard(tp_rank: int, tp_size: int, replicas: int) -> Shard:
         raise UnsupportedConfig(f"kvdisk: TP rank {tp_rank} outside 0..{tp_size - 1}")
     if replicas < 1 or tp_size % replicas:
         raise UnsupportedConfig(
-            f"kvdisk: {replicas} KV replicas do not divide --tensor-parallel-size {tp_size}")
+            f"kvdisk: {replicas} KV replicas do not divide --tensor-parallel-size {tp_size}"
+        )
     return Shard(tp_rank // replicas, tp_size // replicas, tp_rank % replicas == 0)
 
 
@@ -138,9 +144,8 @@ def layer_range(names: list[str]) -> str:
 # vLLM KV cache spec classes (by name) and why kvdisk refuses them.
 _REFUSED_SPECS = {
     "ChunkedLocalAttentionSpec": "uses chunked local attention, whose block arithmetic kvdisk "
-                                 "does not follow",
-    "CrossAttentionSpec": "is an encoder-decoder cross-attention cache (per request, not a "
-                          "prefix)",
+    "does not follow",
+    "CrossAttentionSpec": "is an encoder-decoder cross-attention cache (per request, not a prefix)",
 }
 
 
@@ -168,12 +173,14 @@ def _state_group(i: int, g: GroupInfo) -> Group:
             f"kvdisk: KV cache group {i} keeps Mamba / linear-attention states in vLLM's "
             f"mamba cache mode {g.state_mode or 'none'!r}, where vLLM keeps no state at block "
             "boundaries to checkpoint. Run with prefix caching on (--enable-prefix-caching, "
-            "which picks --mamba-cache-mode align), or without kvdisk.")
+            "which picks --mamba-cache-mode align), or without kvdisk."
+        )
     if g.speculative_blocks:
         raise UnsupportedConfig(
             f"kvdisk: KV cache group {i} keeps {g.speculative_blocks} speculative Mamba state "
             "block(s) (speculative decoding on a linear-attention model), which kvdisk does "
-            "not checkpoint. Run without speculative decoding, or without kvdisk.")
+            "not checkpoint. Run without speculative decoding, or without kvdisk."
+        )
     return Group(GroupKind.STATE, g.layers)
 
 
@@ -190,34 +197,43 @@ def kv_groups(groups: list[GroupInfo]) -> tuple[Group, ...]:
         elif g.spec == "MambaSpec":
             out.append(_state_group(i, g))
         else:
-            why = _REFUSED_SPECS.get(g.spec, f"has a {g.spec} KV cache that kvdisk does not "
-                                     "know how to checkpoint exactly")
+            why = _REFUSED_SPECS.get(
+                g.spec,
+                f"has a {g.spec} KV cache that kvdisk does not know how to checkpoint exactly",
+            )
             raise UnsupportedConfig(
                 f"kvdisk: KV cache group {i} of this model {why}. kvdisk serves full-attention "
                 "and sliding-window layers and Mamba / linear-attention states only; run this "
-                "model without kvdisk.")
-    attention = [(i, g) for (i, g), kind in zip(enumerate(groups), out)
-                 if kind.kind != GroupKind.STATE]
+                "model without kvdisk."
+            )
+    attention = [
+        (i, g) for (i, g), kind in zip(enumerate(groups), out) if kind.kind != GroupKind.STATE
+    ]
     if not attention:
         raise UnsupportedConfig(
             "kvdisk: this model keeps only Mamba / linear-attention states (no attention "
-            "layer), which kvdisk does not checkpoint. Run it without kvdisk.")
+            "layer), which kvdisk does not checkpoint. Run it without kvdisk."
+        )
     f, first = attention[0]
     for i, g in attention[1:]:
         if (g.block_size, g.page) != (first.block_size, first.page):
             raise UnsupportedConfig(
                 f"kvdisk: KV cache group {i} has pages of block size {g.block_size} / "
                 f"{g.page}, group {f} of {first.block_size} / {first.page}; kvdisk needs every "
-                "group to have the same page geometry. Run this model without kvdisk.")
+                "group to have the same page geometry. Run this model without kvdisk."
+            )
     for i, g in enumerate(groups):
         if out[i].kind == GroupKind.STATE and (g.block_size, g.page_bytes) != (
-                first.block_size, first.page_bytes):
+            first.block_size,
+            first.page_bytes,
+        ):
             raise UnsupportedConfig(
                 f"kvdisk: KV cache group {i} keeps states in blocks of {g.block_size} tokens "
                 f"and pages of {g.page_bytes} bytes, the attention groups in blocks of "
                 f"{first.block_size} and pages of {first.page_bytes}; kvdisk needs vLLM's "
                 "aligned layout (one state per attention block, pages of one size). Run this "
-                "model without kvdisk.")
+                "model without kvdisk."
+            )
     return tuple(out)
 
 
@@ -242,5 +258,6 @@ def groups_signature(groups: tuple[Group, ...], states: tuple[str, ...] = ()) ->
 
 
 def state_signature(state: tuple) -> str:
-    """A state group's tensors as text: ``((3, 1024), 'bfloat16'), ...`` -> ``3x1024:bfloat16+...``."""
+    """A state group's tensors as text: ``((3, 1024), 'bfloat16'), ...`` ->
+    ``3x1024:bfloat16+...``."""
     return "+".join("x".join(str(d) for d in shape) + f":{dtype}" for shape, dtype in state)

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 LOAD_POLICIES = ("always", "auto")
 ENV_PREFIX = "KVDISK_"
@@ -27,10 +28,18 @@ class ConfigError(ValueError):
     """A configuration key or value a user gave is not acceptable."""
 
 
-def knob(default: Any, help: str, *, minimum: int | None = None,
-         choices: tuple[str, ...] | None = None, unit: str = "") -> Any:
-    return field(default=default, metadata={"help": help, "minimum": minimum,
-                                            "choices": choices, "unit": unit})
+def knob(
+    default: Any,
+    help: str,
+    *,
+    minimum: int | None = None,
+    choices: tuple[str, ...] | None = None,
+    unit: str = "",
+) -> Any:
+    return field(
+        default=default,
+        metadata={"help": help, "minimum": minimum, "choices": choices, "unit": unit},
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,55 +47,94 @@ class KVDiskConfig:
     """Every knob of the disk cache. Names follow ds4-server's flags in snake_case."""
 
     kv_disk_dir: str = field(metadata={"help": "directory that holds the .kv files (required)"})
-    kv_disk_space_mb: int = knob(8192, "disk budget: checkpoints are evicted (leaves first) "
-                                 "to stay below it", minimum=1, unit="MiB")
-    kv_disk_min_free_mb: int = knob(1024, "never let the cache push the file system's free "
-                                    "space below this; a save that cannot fit is skipped",
-                                    minimum=0, unit="MiB")
+    kv_disk_space_mb: int = knob(
+        8192,
+        "disk budget: checkpoints are evicted (leaves first) to stay below it",
+        minimum=1,
+        unit="MiB",
+    )
+    kv_disk_min_free_mb: int = knob(
+        1024,
+        "never let the cache push the file system's free "
+        "space below this; a save that cannot fit is skipped",
+        minimum=0,
+        unit="MiB",
+    )
     kv_cache_min_tokens: int = knob(512, "no checkpoint shorter than this", minimum=1)
-    kv_cache_cold_max_tokens: int = knob(30000, "cold checkpoints (after a prompt's prefill) "
-                                         "only up to this length", minimum=1)
+    kv_cache_cold_max_tokens: int = knob(
+        30000, "cold checkpoints (after a prompt's prefill) only up to this length", minimum=1
+    )
     kv_cache_continued_interval_tokens: int = knob(
-        10000, "a continued checkpoint each time computed tokens cross a multiple of this",
-        minimum=1)
+        10000,
+        "a continued checkpoint each time computed tokens cross a multiple of this",
+        minimum=1,
+    )
     kv_cache_boundary_trim_tokens: int = knob(
-        32, "grid positions are k*align - trim, rounded down to the KV block size (tails are "
-        "not trimmed)", minimum=0)
+        32,
+        "grid positions are k*align - trim, rounded down to the KV block size (tails are "
+        "not trimmed)",
+        minimum=0,
+    )
     kv_cache_boundary_align_tokens: int = knob(2048, "checkpoint grid step", minimum=1)
     kv_cache_tail_checkpoints: bool = knob(
-        True, "also save at the block floor of n (the prompt for cold, prompt + generated for "
-        "evict and shutdown) as a delta on the grid; off: exactly ds4's grid")
-    tool_memory_max_ids: int = knob(100000, "size of the tool-call replay map (LRU; 0 turns "
-                                    "replay off)", minimum=0)
+        True,
+        "also save at the block floor of n (the prompt for cold, prompt + generated for "
+        "evict and shutdown) as a delta on the grid; off: exactly ds4's grid",
+    )
+    tool_memory_max_ids: int = knob(
+        100000, "size of the tool-call replay map (LRU; 0 turns replay off)", minimum=0
+    )
     kv_cache_reject_different_quant: bool = knob(
-        False, "accepted for ds4 compatibility: a checkpoint of another KV dtype is always a "
-        "miss")
-    trace: str | None = knob(None, "trace file: one line per hit, miss (with the reason), "
-                             "save, eviction, quarantine")
-    trace_max_mb: int = knob(64, "the trace file is rotated to FILE.1 past this size",
-                             minimum=1, unit="MiB")
+        False, "accepted for ds4 compatibility: a checkpoint of another KV dtype is always a miss"
+    )
+    trace: str | None = knob(
+        None, "trace file: one line per hit, miss (with the reason), save, eviction, quarantine"
+    )
+    trace_max_mb: int = knob(
+        64, "the trace file is rotated to FILE.1 past this size", minimum=1, unit="MiB"
+    )
     trace_to_log: bool = knob(False, "also write every trace line to vLLM's log at INFO")
     kv_disk_io_threads: int = knob(4, "reader/writer threads per worker", minimum=1)
-    kv_disk_staging_mb: int = knob(2048, "host staging buffers kept for reuse between copies "
-                                   "(fresh memory is slow to touch)", minimum=0, unit="MiB")
+    kv_disk_staging_mb: int = knob(
+        2048,
+        "host staging buffers kept for reuse between copies (fresh memory is slow to touch)",
+        minimum=0,
+        unit="MiB",
+    )
     kv_disk_staging_inflight_mb: int = knob(
-        4096, "most host memory that saves in flight may hold (copied out, not yet written); "
-        "past it a save is skipped (saves_skipped{reason=\"busy\"}) rather than growing "
-        "memory or stalling the engine", minimum=1, unit="MiB")
+        4096,
+        "most host memory that saves in flight may hold (copied out, not yet written); "
+        'past it a save is skipped (saves_skipped{reason="busy"}) rather than growing '
+        "memory or stalling the engine",
+        minimum=1,
+        unit="MiB",
+    )
     kv_disk_gil_switch_us: int = knob(
-        500, "Python's GIL switch interval in the worker process (0 leaves Python's 5000): "
+        500,
+        "Python's GIL switch interval in the worker process (0 leaves Python's 5000): "
         "each system call of an I/O thread ends in a wait for the GIL that a busy engine "
-        "loop holds up to this long", minimum=0, unit="us")
+        "loop holds up to this long",
+        minimum=0,
+        unit="us",
+    )
     kv_disk_load_policy: str = knob(
-        "auto", "auto: restore only what is cheaper to read than to recompute, from running "
+        "auto",
+        "auto: restore only what is cheaper to read than to recompute, from running "
         "estimates of this engine's load bandwidth and prefill speed; always: restore every "
-        "hit", choices=LOAD_POLICIES)
-    kv_disk_lock_timeout_s: int = knob(10, "longest wait for the cache directory's lock (a "
-                                       "stuck network volume then skips a save)", minimum=1,
-                                       unit="s")
+        "hit",
+        choices=LOAD_POLICIES,
+    )
+    kv_disk_lock_timeout_s: int = knob(
+        10,
+        "longest wait for the cache directory's lock (a stuck network volume then skips a save)",
+        minimum=1,
+        unit="s",
+    )
     kv_disk_allow_shared_dir: bool = knob(
-        False, "accept a cache directory writable by its group/everyone or owned by another "
-        "user (anyone who can write there can plant checkpoints)")
+        False,
+        "accept a cache directory writable by its group/everyone or owned by another "
+        "user (anyone who can write there can plant checkpoints)",
+    )
 
     @property
     def space_bytes(self) -> int:
@@ -129,7 +177,7 @@ def _coerce(name: str, value: Any) -> Any:
         raise ConfigError(f"{name}: expected true or false, got {value!r}")
     if kind == "int":
         # bool is an int subclass; floats would silently truncate (no "8.5 GB" budgets).
-        if isinstance(value, bool) or isinstance(value, float):
+        if isinstance(value, (bool, float)):
             raise ConfigError(f"{name}: expected an integer, got {value!r}")
         try:
             number = int(value)
@@ -157,14 +205,16 @@ def from_environment(environ: Mapping[str, str]) -> dict[str, str]:
         if not var.startswith(ENV_PREFIX):
             continue
         if var not in ENV_NAMES:
-            raise ConfigError(f"unknown environment variable {var}; known: "
-                              f"{', '.join(sorted(ENV_NAMES))}")
+            raise ConfigError(
+                f"unknown environment variable {var}; known: {', '.join(sorted(ENV_NAMES))}"
+            )
         out[ENV_NAMES[var]] = value
     return out
 
 
-def load_config(values: Mapping[str, Any], environ: Mapping[str, str] | None = None
-                ) -> KVDiskConfig:
+def load_config(
+    values: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> KVDiskConfig:
     """Build the config from a mapping, then ``KVDISK_*`` variables of ``environ`` for keys
     the mapping lacks; unknown keys and bad values raise ConfigError."""
     unknown = sorted(set(values) - set(FIELDS))
@@ -173,8 +223,10 @@ def load_config(values: Mapping[str, Any], environ: Mapping[str, str] | None = N
         raise ConfigError(f"unknown kvdisk config key(s) {', '.join(unknown)}; known keys: {known}")
     merged = {**from_environment(environ or {}), **values}
     if "kv_disk_dir" not in merged:
-        raise ConfigError("kv_disk_dir is required (--kv-disk-dir or KVDISK_DIR): the "
-                          "directory that holds the .kv files")
+        raise ConfigError(
+            "kv_disk_dir is required (--kv-disk-dir or KVDISK_DIR): the "
+            "directory that holds the .kv files"
+        )
     kwargs = {name: _coerce(name, value) for name, value in merged.items()}
     kwargs["kv_disk_dir"] = os.path.abspath(os.path.expanduser(kwargs["kv_disk_dir"]))
     config = KVDiskConfig(**kwargs)
@@ -202,7 +254,9 @@ def markdown_table() -> str:
         else:
             shown = "none" if default is None else f"{default}"
         unit = f.metadata.get("unit") or ""
-        shown += f" {unit}" if unit and default is not None and not isinstance(default, bool) else ""
+        shown += (
+            f" {unit}" if unit and default is not None and not isinstance(default, bool) else ""
+        )
         flag = flag_of(name) + (" / --no-…" if f.type == "bool" else "")
         rows.append(f"| `{flag}` | `{env_of(name)}` | {shown} | {f.metadata['help']} |")
     return "\n".join(rows)

@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_kvdisk.core.toolmap import MAX_TOOL_ID_BYTES, MAX_TOOL_TEXT_BYTES
 from vllm_kvdisk.core.logs import get_logger
+from vllm_kvdisk.core.toolmap import MAX_TOOL_ID_BYTES, MAX_TOOL_TEXT_BYTES
 
 log = get_logger(__name__)
 
@@ -80,7 +80,10 @@ class RequestControl:
 
     @classmethod
     def from_request(cls, request: Any) -> RequestControl:
-        if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+        if (
+            getattr(request, "mm_features", None)
+            or getattr(request, "prompt_embeds", None) is not None
+        ):
             # Identity is the token ids: images or embeddings behind placeholder tokens
             # would make two different prompts look alike. Such requests skip the disk.
             return cls(load=False, save=False)
@@ -105,8 +108,12 @@ def _control_values(raw: Any) -> dict[str, Any]:
     for key, value in raw.items():
         if key in ("load", "save") and isinstance(value, bool):
             values[key] = value
-        elif (key == "max_save_tokens" and isinstance(value, int)
-              and not isinstance(value, bool) and value >= 0):
+        elif (
+            key == "max_save_tokens"
+            and isinstance(value, int)
+            and not isinstance(value, bool)
+            and value >= 0
+        ):
             values[key] = value if value <= MAX_SAVE_TOKENS else None
         else:
             _warn_once(f"{CONTROL_KEY}.{_brief(key)}={_brief(value)}")
@@ -128,8 +135,11 @@ def _tool_pairs(pairs: Any) -> tuple[ToolPair, ...]:
         return ()
     out, budget = [], MAX_TOOL_BYTES
     for pair in pairs[:MAX_TOOL_PAIRS]:
-        if not (isinstance(pair, (list, tuple)) and len(pair) == 2
-                and all(isinstance(x, str) for x in pair)):
+        if not (
+            isinstance(pair, (list, tuple))
+            and len(pair) == 2
+            and all(isinstance(x, str) for x in pair)
+        ):
             continue
         raw_id, raw_text = _utf8(pair[0]), _utf8(pair[1])
         if raw_id is None or raw_text is None:

@@ -7,18 +7,38 @@ Pure: numpy and xxhash.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
 
-from vllm_kvdisk.core.format import (CHECKSUM, FLAG_DELTA, FLAG_TOOL_MAP, FULL_ONLY, MAX_GROUPS,
-                                     MAX_TEXT_BYTES, MAX_TOKENS, TEXT_LEN, FormatError, Group,
-                                     Header, Offsets, PageLayout, Payload, Reason, Summary,
-                                     PAYLOAD_VERSION, PAYLOAD_VERSION_STATE, has_state,
-                                     pack_payload_fixed, compute_offsets, dtype_code,
-                                     pack_groups)
+from vllm_kvdisk.core.format import (
+    CHECKSUM,
+    FLAG_DELTA,
+    FLAG_TOOL_MAP,
+    FULL_ONLY,
+    MAX_GROUPS,
+    MAX_TEXT_BYTES,
+    MAX_TOKENS,
+    PAYLOAD_VERSION,
+    PAYLOAD_VERSION_STATE,
+    TEXT_LEN,
+    FormatError,
+    Group,
+    Header,
+    Offsets,
+    PageLayout,
+    Payload,
+    Reason,
+    Summary,
+    compute_offsets,
+    dtype_code,
+    has_state,
+    pack_groups,
+    pack_payload_fixed,
+)
 from vllm_kvdisk.core.keys import token_digest
 from vllm_kvdisk.core.toolmap import MAX_KTM_BYTES, encode_tool_map
 
@@ -38,9 +58,18 @@ class Encoded:
     head: int  # xxh3-64 of the first owned block's token ids (the index's walk key)
 
 
-def encode_checkpoint(*, text: bytes, tokens: bytes, layers: Sequence[bytes | memoryview],
-                      payload: Payload, reason: Reason, kv_dtype: str, context_size: int,
-                      now: int, tool_map: Sequence[tuple[str, str]] = ()) -> Encoded:
+def encode_checkpoint(
+    *,
+    text: bytes,
+    tokens: bytes,
+    layers: Sequence[bytes | memoryview],
+    payload: Payload,
+    reason: Reason,
+    kv_dtype: str,
+    context_size: int,
+    now: int,
+    tool_map: Sequence[tuple[str, str]] = (),
+) -> Encoded:
     """Lay out one checkpoint. ``tokens`` is the u32 LE token ids of the whole prefix."""
     lay = payload.layout
     lay.validate()
@@ -56,47 +85,87 @@ def encode_checkpoint(*, text: bytes, tokens: bytes, layers: Sequence[bytes | me
     if len(groups) == 1 and groups[0].layers == 0:
         groups = (replace(groups[0], layers=lay.num_layers),)
     if not 1 <= len(groups) <= MAX_GROUPS or sum(g.layers for g in groups) != lay.num_layers:
-        raise FormatError(f"{len(groups)} groups of {[g.layers for g in groups]} layers "
-                          f"for {lay.num_layers} layers")
+        raise FormatError(
+            f"{len(groups)} groups of {[g.layers for g in groups]} layers "
+            f"for {lay.num_layers} layers"
+        )
     groups = tuple(g.placed(payload.parent_tokens, n_tokens, lay.block_size) for g in groups)
-    payload = replace(payload, groups=groups, version=PAYLOAD_VERSION_STATE
-                      if has_state(groups) else PAYLOAD_VERSION)
-    offsets = compute_offsets(len(text), n_tokens, lay, payload.layer_blocks(), len(ktm),
-                              len(groups))
+    payload = replace(
+        payload,
+        groups=groups,
+        version=PAYLOAD_VERSION_STATE if has_state(groups) else PAYLOAD_VERSION,
+    )
+    offsets = compute_offsets(
+        len(text), n_tokens, lay, payload.layer_blocks(), len(ktm), len(groups)
+    )
     for i, buf in enumerate(layers):
         if memoryview(buf).nbytes != offsets.layer_size(i):
-            raise FormatError(f"layer {i} buffer of {memoryview(buf).nbytes} bytes, "
-                              f"expected {offsets.layer_size(i)}")
+            raise FormatError(
+                f"layer {i} buffer of {memoryview(buf).nbytes} bytes, "
+                f"expected {offsets.layer_size(i)}"
+            )
     payload = replace(payload, ktm_checksum=xxhash.xxh3_64_intdigest(ktm) if ktm else 0)
     fixed = pack_payload_fixed(payload) + pack_groups(groups)
     sums = [xxhash.xxh3_64_intdigest(fixed + tokens)]
     sums += [xxhash.xxh3_64_intdigest(buf) for buf in layers]
     payload = replace(payload, checksums=tuple(sums))
     flags = (FLAG_TOOL_MAP if ktm else 0) | (FLAG_DELTA if payload.parent_sha1 else 0)
-    header = Header(dtype_code(kv_dtype), reason, flags, n_tokens, 0, context_size, now, now,
-                    offsets.ktm - offsets.payload)
+    header = Header(
+        dtype_code(kv_dtype),
+        reason,
+        flags,
+        n_tokens,
+        0,
+        context_size,
+        now,
+        now,
+        offsets.ktm - offsets.payload,
+    )
     pad = bytes(offsets.pages - offsets.tokens - len(tokens))
-    buffers: list[bytes | memoryview] = [header.pack(), TEXT_LEN.pack(len(text)), text, fixed,
-                                         b"".join(CHECKSUM.pack(s) for s in sums), tokens, pad]
+    buffers: list[bytes | memoryview] = [
+        header.pack(),
+        TEXT_LEN.pack(len(text)),
+        text,
+        fixed,
+        b"".join(CHECKSUM.pack(s) for s in sums),
+        tokens,
+        pad,
+    ]
     buffers += list(layers)
     if ktm:
         buffers.append(ktm)
     first = payload.parent_tokens
-    head = xxhash.xxh3_64_intdigest(tokens[4 * first:4 * (first + lay.block_size)])
+    head = xxhash.xxh3_64_intdigest(tokens[4 * first : 4 * (first + lay.block_size)])
     return Encoded(buffers, offsets.total, header, payload, offsets, head)
 
 
 def summary_of(encoded: Encoded) -> Summary:
     """The summary of a checkpoint just encoded (what a scan would read back)."""
     p = encoded.payload
-    return Summary(encoded.header, p.parent_sha1, p.parent_tokens, p.token_digest,
-                   encoded.head, encoded.offsets.tokens)
+    return Summary(
+        encoded.header,
+        p.parent_sha1,
+        p.parent_tokens,
+        p.token_digest,
+        encoded.head,
+        encoded.offsets.tokens,
+    )
 
 
-def encode_plan(plan: SavePlan, *, text: bytes, ids: np.ndarray | bytes, layers: Sequence,
-                layout: PageLayout, fingerprint: bytes, kv_dtype: str, context_size: int,
-                now: int, tool_map: Sequence[tuple[str, str]] = (),
-                groups: Sequence[Group] = FULL_ONLY) -> Encoded:
+def encode_plan(
+    plan: SavePlan,
+    *,
+    text: bytes,
+    ids: np.ndarray | bytes,
+    layers: Sequence,
+    layout: PageLayout,
+    fingerprint: bytes,
+    kv_dtype: str,
+    context_size: int,
+    now: int,
+    tool_map: Sequence[tuple[str, str]] = (),
+    groups: Sequence[Group] = FULL_ONLY,
+) -> Encoded:
     """Encode the file of ``plan``; ``layers`` hold, per layer in group order, the pages of
     the blocks its group stores (``Group.placed``) and ``ids`` the token ids of (at least)
     the whole prefix."""
@@ -104,9 +173,24 @@ def encode_plan(plan: SavePlan, *, text: bytes, ids: np.ndarray | bytes, layers:
     if isinstance(ids, (bytes, bytearray, memoryview)):
         ids = np.frombuffer(ids, dtype="<u4")
     tokens = np.ascontiguousarray(ids[: plan.tokens], dtype="<u4")
-    payload = Payload(fingerprint, plan.parent, plan.parent_tokens, plan.parent_tokens // bs,
-                      (plan.tokens - plan.parent_tokens) // bs, layout, token_digest(tokens),
-                      groups=tuple(groups))
-    return encode_checkpoint(text=text, tokens=tokens.tobytes(), layers=layers, payload=payload,
-                             reason=plan.reason, kv_dtype=kv_dtype, context_size=context_size,
-                             now=now, tool_map=tool_map)
+    payload = Payload(
+        fingerprint,
+        plan.parent,
+        plan.parent_tokens,
+        plan.parent_tokens // bs,
+        (plan.tokens - plan.parent_tokens) // bs,
+        layout,
+        token_digest(tokens),
+        groups=tuple(groups),
+    )
+    return encode_checkpoint(
+        text=text,
+        tokens=tokens.tobytes(),
+        layers=layers,
+        payload=payload,
+        reason=plan.reason,
+        kv_dtype=kv_dtype,
+        context_size=context_size,
+        now=now,
+        tool_map=tool_map,
+    )

@@ -49,17 +49,33 @@ class Entry:
         return (self.ns, self.sha1)
 
 
-def entry_of(ns: str, sha1: str, summary: Summary, size: int, inode: int,
-             used_ns: int = 0, mtime_ns: int = 0) -> Entry:
+def entry_of(
+    ns: str, sha1: str, summary: Summary, size: int, inode: int, used_ns: int = 0, mtime_ns: int = 0
+) -> Entry:
     """The index entry of a file, from what a scan reads or a writer just encoded
     (``used_ns``: the file's mtime, or the time of the write)."""
     h = summary.header
-    return Entry(ns, sha1, h.tokens, summary.parent_sha1, summary.parent_tokens, h.reason,
-                 h.hits, h.created, h.last_used, size, summary.token_digest, summary.head,
-                 summary.ids_at, inode, mtime_ns, used_ns=used_ns)
+    return Entry(
+        ns,
+        sha1,
+        h.tokens,
+        summary.parent_sha1,
+        summary.parent_tokens,
+        h.reason,
+        h.hits,
+        h.created,
+        h.last_used,
+        size,
+        summary.token_digest,
+        summary.head,
+        summary.ids_at,
+        inode,
+        mtime_ns,
+        used_ns=used_ns,
+    )
 
 
 def head_digest(ids: np.ndarray, start: int, block_size: int) -> int:
     """The walk key of a file starting at ``start``: xxh3-64 of its first block's ids."""
-    block = np.ascontiguousarray(ids[start:start + block_size], dtype="<u4")
+    block = np.ascontiguousarray(ids[start : start + block_size], dtype="<u4")
     return xxhash.xxh3_64_intdigest(block.tobytes())

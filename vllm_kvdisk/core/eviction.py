@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from vllm_kvdisk.core.entry import Entry, Key
 from vllm_kvdisk.core.index import Index
@@ -41,9 +41,14 @@ def eviction_key(entry: Entry, now: float) -> tuple[int, int]:
     return rank, max(entry.used_ns, entry.last_used * 1_000_000_000)
 
 
-def plan_eviction(index: Index, need_bytes: int, now: float, protected: Iterable[Key] = (),
-                  adding: Iterable[Entry] = (),
-                  groups: Mapping[str, str] | None = None) -> list[Entry]:
+def plan_eviction(
+    index: Index,
+    need_bytes: int,
+    now: float,
+    protected: Iterable[Key] = (),
+    adding: Iterable[Entry] = (),
+    groups: Mapping[str, str] | None = None,
+) -> list[Entry]:
     """Leaves of ``index`` to delete, in order, until ``need_bytes`` are freed (or
     nothing is left).
 
@@ -65,8 +70,11 @@ def plan_eviction(index: Index, need_bytes: int, now: float, protected: Iterable
     ranks: dict[str, list[str]] = {}
     for ns, group in groups.items():
         ranks.setdefault(group, []).append(ns)
-    heap = [(*eviction_key(e, now), e.ns, e.sha1) for e in index.entries()
-            if not kids.get(e.key) and e.key not in keep]
+    heap = [
+        (*eviction_key(e, now), e.ns, e.sha1)
+        for e in index.entries()
+        if not kids.get(e.key) and e.key not in keep
+    ]
     heapq.heapify(heap)
     plan: list[Entry] = []
     planned: set[Key] = set()

@@ -25,9 +25,9 @@ Pure: standard library only. Writing a file is ``encode``; reading one is
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
-from typing import Sequence
 
 FORMAT_VERSION = 2
 MAGIC = b"KVC"
@@ -95,7 +95,9 @@ def dtype_code(name: str) -> int:
     try:
         return DTYPES[name][0]
     except KeyError:
-        raise UnsupportedFile(f"KV dtype {name!r} has no code in format v{FORMAT_VERSION}") from None
+        raise UnsupportedFile(
+            f"KV dtype {name!r} has no code in format v{FORMAT_VERSION}"
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,16 +114,37 @@ class Header:
     version: int = FORMAT_VERSION
 
     def pack(self) -> bytes:
-        return HEADER.pack(MAGIC, self.version, self.kv_dtype, int(self.reason), self.flags,
-                           self.tokens, self.hits, self.context_size, self.created,
-                           self.last_used, self.payload_bytes)
+        return HEADER.pack(
+            MAGIC,
+            self.version,
+            self.kv_dtype,
+            int(self.reason),
+            self.flags,
+            self.tokens,
+            self.hits,
+            self.context_size,
+            self.created,
+            self.last_used,
+            self.payload_bytes,
+        )
 
     @classmethod
     def unpack(cls, buf: bytes) -> Header:
         if len(buf) < HEADER.size:
             raise FormatError(f"truncated header: {len(buf)} of {HEADER.size} bytes")
-        (magic, version, kv_dtype, reason, flags, tokens, hits, ctx, created, last_used,
-         payload) = HEADER.unpack_from(buf)
+        (
+            magic,
+            version,
+            kv_dtype,
+            reason,
+            flags,
+            tokens,
+            hits,
+            ctx,
+            created,
+            last_used,
+            payload,
+        ) = HEADER.unpack_from(buf)
         if magic != MAGIC:
             raise FormatError(f"bad magic {magic!r}: not a KVC file")
         if version != FORMAT_VERSION:
@@ -137,8 +160,9 @@ class Header:
             raise UnsupportedFile("file carries logits (flag bit 2); this build never writes them")
         if not 1 <= tokens <= MAX_TOKENS:
             raise FormatError(f"token count {tokens} outside 1..{MAX_TOKENS}")
-        return cls(kv_dtype, save_reason, flags, tokens, hits, ctx, created, last_used,
-                   payload, version)
+        return cls(
+            kv_dtype, save_reason, flags, tokens, hits, ctx, created, last_used, payload, version
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +188,9 @@ class PageLayout:
         if not self.name or len(self.name.encode()) > 24 or not self.name.isascii():
             raise FormatError(f"layout name {self.name!r} must be 1..24 ASCII bytes")
         if not 1 <= self.block_size <= MAX_TOKENS or not 1 <= self.num_layers <= MAX_LAYERS:
-            raise FormatError(f"block size {self.block_size} / layers {self.num_layers} out of range")
+            raise FormatError(
+                f"block size {self.block_size} / layers {self.num_layers} out of range"
+            )
         if not 1 <= len(self.page_shape) <= MAX_PAGE_DIMS or min(self.page_shape) < 1:
             raise FormatError(f"bad page shape {self.page_shape}")
         if self.dtype not in DTYPES:
@@ -284,13 +310,19 @@ class Offsets:
         return sizes.pop()
 
 
-def compute_offsets(text_len: int, tokens: int, layout: PageLayout,
-                    layer_blocks: Sequence[tuple[int, int]], ktm_len: int,
-                    groups: int = 1) -> Offsets:
+def compute_offsets(
+    text_len: int,
+    tokens: int,
+    layout: PageLayout,
+    layer_blocks: Sequence[tuple[int, int]],
+    ktm_len: int,
+    groups: int = 1,
+) -> Offsets:
     text = HEADER.size + TEXT_LEN.size
     payload = text + text_len
-    tokens_at = (payload + PAYLOAD_FIXED.size + GROUP.size * groups
-                 + CHECKSUM.size * (len(layer_blocks) + 1))
+    tokens_at = (
+        payload + PAYLOAD_FIXED.size + GROUP.size * groups + CHECKSUM.size * (len(layer_blocks) + 1)
+    )
     pages = -(-(tokens_at + 4 * tokens) // PAGE_ALIGN) * PAGE_ALIGN
     at = [pages]
     for _, count in layer_blocks:
@@ -303,18 +335,51 @@ def pack_payload_fixed(p: Payload) -> bytes:
     shape = tuple(lay.page_shape) + (0,) * (MAX_PAGE_DIMS - len(lay.page_shape))
     parent = bytes.fromhex(p.parent_sha1) if p.parent_sha1 else bytes(20)
     return PAYLOAD_FIXED.pack(
-        PAYLOAD_MAGIC, p.version, PAYLOAD_FIXED.size, p.fingerprint, parent,
-        p.parent_tokens, lay.block_size, p.first_block, p.num_blocks, lay.num_layers,
-        lay.page_bytes, lay.tp_rank, lay.tp_size, DTYPES[lay.dtype][0], len(lay.page_shape),
-        len(p.groups), *shape, lay.name.encode().ljust(24, b"\0"), p.token_digest, p.ktm_checksum)
+        PAYLOAD_MAGIC,
+        p.version,
+        PAYLOAD_FIXED.size,
+        p.fingerprint,
+        parent,
+        p.parent_tokens,
+        lay.block_size,
+        p.first_block,
+        p.num_blocks,
+        lay.num_layers,
+        lay.page_bytes,
+        lay.tp_rank,
+        lay.tp_size,
+        DTYPES[lay.dtype][0],
+        len(lay.page_shape),
+        len(p.groups),
+        *shape,
+        lay.name.encode().ljust(24, b"\0"),
+        p.token_digest,
+        p.ktm_checksum,
+    )
 
 
 def unpack_payload_fixed(buf: bytes, header: Header) -> Payload:
     if len(buf) < PAYLOAD_FIXED.size:
         raise FormatError("truncated payload header")
-    (magic, version, fixed_len, fingerprint, parent, parent_tokens, block_size, first_block,
-     num_blocks, num_layers, page_bytes, tp_rank, tp_size, dtype, ndim, n_groups, *rest
-     ) = PAYLOAD_FIXED.unpack_from(buf)
+    (
+        magic,
+        version,
+        fixed_len,
+        fingerprint,
+        parent,
+        parent_tokens,
+        block_size,
+        first_block,
+        num_blocks,
+        num_layers,
+        page_bytes,
+        tp_rank,
+        tp_size,
+        dtype,
+        ndim,
+        n_groups,
+        *rest,
+    ) = PAYLOAD_FIXED.unpack_from(buf)
     shape_all, name, digest, ktm_sum = rest[:6], rest[6], rest[7], rest[8]
     if magic != PAYLOAD_MAGIC:
         raise FormatError(f"bad payload magic {magic!r}")
@@ -331,8 +396,15 @@ def unpack_payload_fixed(buf: bytes, header: Header) -> Payload:
         raise FormatError("bad layout name")
     if dtype != header.kv_dtype:
         raise FormatError(f"header KV dtype {header.kv_dtype} != page dtype {dtype}")
-    layout = PageLayout(name_bytes.decode(), block_size, num_layers, tuple(shape_all[:ndim]),
-                        DTYPE_NAMES[dtype], tp_rank, tp_size)
+    layout = PageLayout(
+        name_bytes.decode(),
+        block_size,
+        num_layers,
+        tuple(shape_all[:ndim]),
+        DTYPE_NAMES[dtype],
+        tp_rank,
+        tp_size,
+    )
     layout.validate()
     if layout.page_bytes != page_bytes:
         raise FormatError(f"page bytes {page_bytes} != shape x dtype {layout.page_bytes}")
@@ -347,15 +419,24 @@ def unpack_payload_fixed(buf: bytes, header: Header) -> Payload:
         raise FormatError("first block does not start at the parent's end")
     if (first_block + num_blocks) * block_size != header.tokens:
         raise FormatError("owned blocks do not end at the token count")
-    return Payload(fingerprint, parent.hex() if has_parent else None, parent_tokens,
-                   first_block, num_blocks, layout, digest, ktm_sum,
-                   groups=(Group(GroupKind.FULL, 0),) * n_groups,  # read by unpack_groups
-                   version=version)
+    return Payload(
+        fingerprint,
+        parent.hex() if has_parent else None,
+        parent_tokens,
+        first_block,
+        num_blocks,
+        layout,
+        digest,
+        ktm_sum,
+        groups=(Group(GroupKind.FULL, 0),) * n_groups,  # read by unpack_groups
+        version=version,
+    )
 
 
 def pack_groups(groups: Sequence[Group]) -> bytes:
-    return b"".join(GROUP.pack(int(g.kind), 0, g.layers, g.window, g.first_block, g.num_blocks)
-                    for g in groups)
+    return b"".join(
+        GROUP.pack(int(g.kind), 0, g.layers, g.window, g.first_block, g.num_blocks) for g in groups
+    )
 
 
 def unpack_groups(buf: bytes, payload: Payload, tokens: int) -> Payload:
@@ -374,8 +455,9 @@ def unpack_groups(buf: bytes, payload: Payload, tokens: int) -> Payload:
             raise FormatError(f"group {i}: window {window} does not fit its kind")
         group = Group(GroupKind(kind), layers, window, first, blocks)
         if group != group.placed(payload.parent_tokens, tokens, lay.block_size):
-            raise FormatError(f"group {i}: blocks {first}+{blocks} are not the ones its kind "
-                              "holds for this file")
+            raise FormatError(
+                f"group {i}: blocks {first}+{blocks} are not the ones its kind holds for this file"
+            )
         groups.append(group)
     if sum(g.layers for g in groups) != lay.num_layers:
         raise FormatError("group layer counts do not add up to the layer count")

@@ -72,8 +72,13 @@ def weights_digest(directory: str) -> str:
 
 def hub_commit(model_id: str, revision: str | None, cache_dir: str | None = None) -> str | None:
     """The commit of a hub model's files in the local Hugging Face cache, if there."""
-    cache = cache_dir or os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub")
+    cache = (
+        cache_dir
+        or os.environ.get("HF_HUB_CACHE")
+        or os.path.join(
+            os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub"
+        )
+    )
     repo = os.path.join(cache, "models--" + model_id.replace("/", "--"))
     ref = revision or "main"
     ref_file = os.path.join(repo, "refs", ref)
@@ -94,4 +99,3 @@ def model_identity(model: str, revision: str | None) -> tuple[str, str]:
     if commit:
         return model, "commit-" + commit
     return model, str(revision or "")
-

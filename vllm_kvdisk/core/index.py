@@ -26,9 +26,9 @@ decisions; ``store.Store`` executes them.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import xxhash
@@ -45,7 +45,7 @@ MAX_WALK_STEPS = 512
 IdsReader = Callable[[Entry, int, int], "np.ndarray | None"]
 
 
-class Miss(str, Enum):
+class Miss(str, Enum):  # noqa: UP042 - str() and format() of the members stay as they are
     """Why a lookup found nothing deeper; ``label`` is the metric label value."""
 
     NO_CHECKPOINT = "no checkpoint"
@@ -77,7 +77,7 @@ class Segment:
 
 # A lookup's path as a linked list (its last segment, the path before it): extending a
 # path costs O(1), not a copy of every segment before it (quadratic in a long chain).
-_Path = Optional[tuple[Segment, "_Path"]]
+_Path = tuple[Segment, "_Path"] | None
 
 
 @dataclass(slots=True)
@@ -104,8 +104,11 @@ class Lookup:
 
     def cut_at(self, tokens: int, miss: Miss) -> Lookup:
         """The same lookup ending at ``tokens`` (a block boundary inside it)."""
-        segments = [s if s.upto <= tokens else Segment(s.entry, tokens)
-                    for s in self.segments if s.entry.parent_tokens < tokens]
+        segments = [
+            s if s.upto <= tokens else Segment(s.entry, tokens)
+            for s in self.segments
+            if s.entry.parent_tokens < tokens
+        ]
         return Lookup(segments, miss, self.diverged, self.other_namespaces)
 
 
@@ -131,8 +134,14 @@ class Index:
 
     def clear(self) -> None:
         """Forget everything (the same object stays shared with planners)."""
-        for table in (self._entries, self._by_ns, self._pending, self._children, self._next,
-                      self._roots):
+        for table in (
+            self._entries,
+            self._by_ns,
+            self._pending,
+            self._children,
+            self._next,
+            self._roots,
+        ):
             table.clear()
         self.total_bytes = 0
 
@@ -224,8 +233,9 @@ class Index:
 
     def child_counts(self) -> dict[Key, int]:
         """Parent key -> how many files and saves in flight continue it."""
-        return {(ns, parent): len(names) for (ns, parent), names in self._children.items()
-                if parent}
+        return {
+            (ns, parent): len(names) for (ns, parent), names in self._children.items() if parent
+        }
 
     # -- two-phase saves --------------------------------------------------------------
     def reserve(self, entry: Entry) -> bool:
@@ -289,8 +299,11 @@ class Index:
                     verdict = True
                     break
                 parent = self._entries.get((e.ns, e.parent))
-                if (parent is None or parent.sha1 in on_path  # a cycle: hostile files
-                        or not parent.parent_tokens < e.parent_tokens <= parent.tokens):
+                if (
+                    parent is None
+                    or parent.sha1 in on_path  # a cycle: hostile files
+                    or not parent.parent_tokens < e.parent_tokens <= parent.tokens
+                ):
                     verdict = False
                     break
                 e = parent
@@ -307,8 +320,16 @@ class Index:
         return [Segment(e, upto) for e, upto in zip(chain, ends)]
 
     # -- lookups ----------------------------------------------------------------------
-    def lookup(self, ns: str, ids: np.ndarray, limit: int, block_size: int,
-               read_ids: IdsReader, *, include_pending: bool = False) -> Lookup:
+    def lookup(
+        self,
+        ns: str,
+        ids: np.ndarray,
+        limit: int,
+        block_size: int,
+        read_ids: IdsReader,
+        *,
+        include_pending: bool = False,
+    ) -> Lookup:
         """Deepest chain whose stored ids equal the prompt's ``ids[0:L]``, L <= ``limit``
         a block boundary; whole files by token digest, a partly matching file up to its
         last matching block."""
@@ -321,7 +342,8 @@ class Index:
         # Depth-first over candidates: (node sha1 or "", pos, hasher over [0, pos), files,
         # path)
         stack: list[tuple[str, int, xxhash.xxh3_64, int, _Path]] = [
-            ("", 0, xxhash.xxh3_64(), 0, None)]
+            ("", 0, xxhash.xxh3_64(), 0, None)
+        ]
         while stack:
             node, pos, hasher, files, path = stack.pop()
             if (pos, -files) > best[:2]:
@@ -329,7 +351,7 @@ class Index:
             at = self._next.get((ns, node, pos))
             if at is None or pos + block_size > limit:
                 continue
-            head = xxhash.xxh3_64_intdigest(raw[4 * pos:4 * (pos + block_size)])
+            head = xxhash.xxh3_64_intdigest(raw[4 * pos : 4 * (pos + block_size)])
             for cand in at.get(head, ()):
                 if wasted >= MAX_WALK_STEPS:
                     break
@@ -337,16 +359,23 @@ class Index:
                     continue
                 if cand.tokens <= limit:
                     whole = hasher.copy()
-                    whole.update(raw[4 * pos:4 * cand.tokens])
+                    whole.update(raw[4 * pos : 4 * cand.tokens])
                     if whole.intdigest() == cand.token_digest:
-                        stack.append((cand.sha1, cand.tokens, whole, files + 1,
-                                      (Segment(cand, cand.tokens), path)))
+                        stack.append(
+                            (
+                                cand.sha1,
+                                cand.tokens,
+                                whole,
+                                files + 1,
+                                (Segment(cand, cand.tokens), path),
+                            )
+                        )
                         continue
                 wasted += 1
                 upto = self._partial(cand, ids, pos, limit, block_size, read_ids)
                 if upto > pos:
                     part = hasher.copy()
-                    part.update(raw[4 * pos:4 * upto])
+                    part.update(raw[4 * pos : 4 * upto])
                     stack.append((cand.sha1, upto, part, files + 1, (Segment(cand, upto), path)))
         segments: list[Segment] = []
         link = best[2]
@@ -359,23 +388,25 @@ class Index:
         return result
 
     @staticmethod
-    def _partial(cand: Entry, ids: np.ndarray, pos: int, limit: int, block_size: int,
-                 read_ids: IdsReader) -> int:
+    def _partial(
+        cand: Entry, ids: np.ndarray, pos: int, limit: int, block_size: int, read_ids: IdsReader
+    ) -> int:
         stop = min(cand.tokens, limit)
         theirs = cand.ids[pos:stop] if cand.pending else read_ids(cand, pos, stop)
         if theirs is None:
             return pos
         return pos + common_blocks(ids[pos:stop], theirs, block_size)
 
-    def _explain(self, ns: str, result: Lookup, ids: np.ndarray, block_size: int,
-                 limit: int) -> None:
+    def _explain(
+        self, ns: str, result: Lookup, ids: np.ndarray, block_size: int, limit: int
+    ) -> None:
         """Why the deepest path did not go further (for metrics and the trace)."""
         end = result.tokens
         last = result.segments[-1] if result.segments else None
         below: list[Entry] = []
         if last is not None:  # files that start where the hit ends, whatever their head
             for bucket in self._next.get((ns, last.entry.sha1, end), {}).values():
-                below += [e for e in bucket if not e.pending][:8 - len(below)]
+                below += [e for e in bucket if not e.pending][: 8 - len(below)]
         if last is not None and not last.whole and end < limit:
             result.miss = Miss.PREFIX_MISMATCH  # the prompt leaves this file inside it
             result.diverged = [last.entry] + below

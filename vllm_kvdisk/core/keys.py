@@ -14,8 +14,8 @@ from __future__ import annotations
 import array
 import hashlib
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Mapping, Sequence
 
 import numpy as np
 import xxhash

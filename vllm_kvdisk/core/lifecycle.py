@@ -31,9 +31,8 @@ import numpy as np
 
 from vllm_kvdisk.core.control import RequestControl
 from vllm_kvdisk.core.index import Lookup
-from vllm_kvdisk.core.policy import Decision
-
 from vllm_kvdisk.core.keys import Scope
+from vllm_kvdisk.core.policy import Decision
 
 
 class Phase(Enum):

@@ -10,13 +10,13 @@ the same way. :func:`encode_plan` is the one encoder of a checkpoint file.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 
-from vllm_kvdisk.core.format import Reason
 from vllm_kvdisk.core.entry import Entry, head_digest
+from vllm_kvdisk.core.format import Reason
 from vllm_kvdisk.core.index import IdsReader, Index, Lookup, Miss
 from vllm_kvdisk.core.keys import as_token_array, token_digest
 from vllm_kvdisk.core.tokens import TokenTable
@@ -67,8 +67,7 @@ class SavePlan:
 
 
 class Planner:
-    def __init__(self, index: Index, block_size: int, read_ids: IdsReader,
-                 min_tokens: int = 1):
+    def __init__(self, index: Index, block_size: int, read_ids: IdsReader, min_tokens: int = 1):
         self.index = index
         self.block_size = block_size
         self.read_ids = read_ids
@@ -80,8 +79,14 @@ class Planner:
             return Lookup(miss=Miss.BELOW_MIN_TOKENS)
         return self.index.lookup(ns, ids, usable, self.block_size, self.read_ids)
 
-    def plan_save(self, ns: str, prompt: Prompt, length: int, reason: Reason,
-                  spine: Callable[[int], bool] | None = None) -> SavePlan | None:
+    def plan_save(
+        self,
+        ns: str,
+        prompt: Prompt,
+        length: int,
+        reason: Reason,
+        spine: Callable[[int], bool] | None = None,
+    ) -> SavePlan | None:
         """A save of ``prompt[:length]`` (a block boundary) as a delta on the deepest
         checkpoint on disk or in flight that holds a prefix of it (possibly up to the
         middle of that file); None when that checkpoint already covers ``length``.
@@ -93,8 +98,9 @@ class Planner:
         tails since the last one, however many turns it had."""
         if length < self.min_tokens or length % self.block_size or length > len(prompt.ids):
             return None
-        below = self.index.lookup(ns, prompt.ids, length, self.block_size, self.read_ids,
-                                  include_pending=True)
+        below = self.index.lookup(
+            ns, prompt.ids, length, self.block_size, self.read_ids, include_pending=True
+        )
         if below.tokens >= length:
             return None
         segments = below.segments
@@ -102,20 +108,40 @@ class Planner:
             while segments and segments[-1].whole and not spine(segments[-1].upto):
                 segments = segments[:-1]
         top = segments[-1] if segments else None
-        return SavePlan(ns, prompt.sha1_at(length), length, top.entry.sha1 if top else None,
-                        top.upto if top else 0, reason)
+        return SavePlan(
+            ns,
+            prompt.sha1_at(length),
+            length,
+            top.entry.sha1 if top else None,
+            top.upto if top else 0,
+            reason,
+        )
 
     def reserve(self, plan: SavePlan, prompt: Prompt, now: int) -> bool:
         """Make a planned save visible to later plans (as a parent, or a duplicate)."""
         ids = prompt.ids[: plan.tokens]
-        return self.index.reserve(Entry(
-            plan.ns, plan.sha1, plan.tokens, plan.parent, plan.parent_tokens, plan.reason, 0,
-            now, now, 0, token_digest(ids), head_digest(ids, plan.parent_tokens, self.block_size),
-            ids=ids))
+        return self.index.reserve(
+            Entry(
+                plan.ns,
+                plan.sha1,
+                plan.tokens,
+                plan.parent,
+                plan.parent_tokens,
+                plan.reason,
+                0,
+                now,
+                now,
+                0,
+                token_digest(ids),
+                head_digest(ids, plan.parent_tokens, self.block_size),
+                ids=ids,
+            )
+        )
 
 
-def window_sources(files: Sequence[tuple[int, int]], hit: int, local: int, window: int,
-                   block_size: int) -> list[tuple[int, int]] | None:
+def window_sources(
+    files: Sequence[tuple[int, int]], hit: int, local: int, window: int, block_size: int
+) -> list[tuple[int, int]] | None:
     """Where the pages of one sliding-window group come from for a hit at ``hit``.
 
     ``files``: ``(tokens, upto)`` of each file of the chain, in order (a file's window
@@ -141,8 +167,7 @@ def window_sources(files: Sequence[tuple[int, int]], hit: int, local: int, windo
     return out if hi <= need_first else None
 
 
-def trim_to_windows(lookup: Lookup, local: int, windows: Sequence[int],
-                    block_size: int) -> Lookup:
+def trim_to_windows(lookup: Lookup, local: int, windows: Sequence[int], block_size: int) -> Lookup:
     """The deepest part of ``lookup`` whose sliding windows are all stored (or held
     locally): a file used whole always is; a prompt that leaves a file in its middle is
     served there only if the window before that point is on disk (in that file's own

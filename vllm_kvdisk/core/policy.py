@@ -15,8 +15,8 @@ network volume) is not given up on for good. Pure: no I/O, no vLLM.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 ALPHA = 0.2  # weight of a new sample in the moving averages
 MIN_PREFILL_TOKENS = 256  # steps smaller than this say little about prefill speed
@@ -42,8 +42,9 @@ class Decision:
 
 
 class LoadCostModel:
-    def __init__(self, clock: Callable[[], float] = time.monotonic,
-                 reprobe_s: float = REPROBE_S) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, reprobe_s: float = REPROBE_S
+    ) -> None:
         self.bandwidth = Estimate()  # bytes per second
         self.prefill = Estimate()  # tokens per second
         self.clock = clock

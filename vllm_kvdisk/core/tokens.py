@@ -20,7 +20,8 @@ table).
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -78,8 +79,11 @@ _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = printable[:]
     extra = 0
     for b in range(256):
@@ -104,8 +108,10 @@ def detect_kind(pieces: list[str | None]) -> str:
         return "sentencepiece"
     if all(all(ch in _BYTE_DECODER for ch in p) for p in sample):
         return "bytelevel"
-    raise ValueError("tokenizer is neither byte-level BPE nor SentencePiece; "
-                     "kvdisk cannot render its tokens to exact bytes")
+    raise ValueError(
+        "tokenizer is neither byte-level BPE nor SentencePiece; "
+        "kvdisk cannot render its tokens to exact bytes"
+    )
 
 
 def table_from_tokenizer(tokenizer: Any) -> TokenTable:
@@ -126,5 +132,7 @@ def table_from_tokenizer(tokenizer: Any) -> TokenTable:
                 out.append(piece.encode())
         else:
             match = _BYTE_PIECE.match(piece)
-            out.append(bytes([int(match.group(1), 16)]) if match else piece.replace("▁", " ").encode())
+            out.append(
+                bytes([int(match.group(1), 16)]) if match else piece.replace("▁", " ").encode()
+            )
     return TokenTable(out)

@@ -8,7 +8,7 @@ that reads these maps is ``replay.ktm``.
 from __future__ import annotations
 
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 from vllm_kvdisk.core.format import FormatError
 
@@ -54,8 +54,8 @@ def decode_tool_map(buf: bytes) -> list[tuple[str, str]]:
         if pos + id_len + text_len > len(buf):
             raise FormatError("truncated tool map entry")
         try:
-            tool_id = buf[pos:pos + id_len].decode()
-            text = buf[pos + id_len:pos + id_len + text_len].decode()
+            tool_id = buf[pos : pos + id_len].decode()
+            text = buf[pos + id_len : pos + id_len + text_len].decode()
         except UnicodeDecodeError:
             raise FormatError("tool map entry is not UTF-8") from None
         out.append((tool_id, text))

@@ -20,13 +20,14 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from vllm_kvdisk.storage import fsdir
-from vllm_kvdisk.storage.fileread import read_meta, read_text, read_tool_map
-from vllm_kvdisk.core.format import DTYPE_NAMES, FLAG_DELTA, FLAG_TOOL_MAP, FormatError
 from vllm_kvdisk.core.entry import Entry
+from vllm_kvdisk.core.format import DTYPE_NAMES, FLAG_DELTA, FLAG_TOOL_MAP, FormatError
+from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage.directory import KV_NAME
+from vllm_kvdisk.storage.fileread import read_meta, read_text, read_tool_map
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.storage.verify import verify
 
@@ -79,8 +80,7 @@ def _open_store(directory: str, *, writable: bool = False) -> Store:
     if not os.path.isdir(directory):
         raise UsageError(f"{directory}: not a directory")
     try:
-        store = Store(directory, space_bytes=1 << 62, readonly=not writable,
-                      allow_shared_dir=True)
+        store = Store(directory, space_bytes=1 << 62, readonly=not writable, allow_shared_dir=True)
     except OSError as exc:
         raise UsageError(f"{directory}: {exc}") from None
     store.scan()
@@ -89,19 +89,27 @@ def _open_store(directory: str, *, writable: bool = False) -> Store:
 
 def namespace_label(store: Store, ns: str) -> dict[str, Any]:
     info = store.namespace_info(ns) or {}
-    return {"namespace": ns, "model": info.get("model"), "revision": info.get("revision"),
-            "kv_dtype": info.get("kv_dtype"), "block_size": info.get("block_size"),
-            "tp": f"{info.get('tp_rank', '?')}/{info.get('tp_size', '?')}",
-            "lora": info.get("lora") or None, "salted": bool(info.get("salt_digest")),
-            "format_version": info.get("format_version")}
+    return {
+        "namespace": ns,
+        "model": info.get("model"),
+        "revision": info.get("revision"),
+        "kv_dtype": info.get("kv_dtype"),
+        "block_size": info.get("block_size"),
+        "tp": f"{info.get('tp_rank', '?')}/{info.get('tp_size', '?')}",
+        "lora": info.get("lora") or None,
+        "salted": bool(info.get("salt_digest")),
+        "format_version": info.get("format_version"),
+    }
 
 
 def _describe(label: dict[str, Any]) -> str:
     extra = [f"lora={label['lora']}"] if label["lora"] else []
     extra += ["salted"] if label["salted"] else []
-    return (f"namespace {label['namespace']}: {label['model']} @ {label['revision'] or '-'}, "
-            f"{label['kv_dtype']}, block {label['block_size']}, TP rank {label['tp']}"
-            + (f" ({', '.join(extra)})" if extra else ""))
+    return (
+        f"namespace {label['namespace']}: {label['model']} @ {label['revision'] or '-'}, "
+        f"{label['kv_dtype']}, block {label['block_size']}, TP rank {label['tp']}"
+        + (f" ({', '.join(extra)})" if extra else "")
+    )
 
 
 def _text_head(store: Store, e: Entry, size: int = 256) -> bytes:
@@ -113,10 +121,19 @@ def _text_head(store: Store, e: Entry, size: int = 256) -> bytes:
 
 
 def _row(store: Store, e: Entry, now: float) -> dict[str, Any]:
-    return {"namespace": e.ns, "sha1": e.sha1, "reason": e.reason.name.lower(),
-            "tokens": e.tokens, "parent_tokens": e.parent_tokens, "bytes": e.size,
-            "hits": e.hits, "age_s": int(now - e.created), "last_used_s": int(now - e.last_used),
-            "parent": e.parent, "text": _preview(_text_head(store, e))}
+    return {
+        "namespace": e.ns,
+        "sha1": e.sha1,
+        "reason": e.reason.name.lower(),
+        "tokens": e.tokens,
+        "parent_tokens": e.parent_tokens,
+        "bytes": e.size,
+        "hits": e.hits,
+        "age_s": int(now - e.created),
+        "last_used_s": int(now - e.last_used),
+        "parent": e.parent,
+        "text": _preview(_text_head(store, e)),
+    }
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -126,20 +143,27 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for e in store.index.entries():
         by_ns.setdefault(e.ns, []).append(e)
     if args.json:
-        rows = [{**_row(store, e, now), "model": namespace_label(store, e.ns)["model"]}
-                for ns in sorted(by_ns) for e in sorted(by_ns[ns], key=lambda e: -e.last_used)]
+        rows = [
+            {**_row(store, e, now), "model": namespace_label(store, e.ns)["model"]}
+            for ns in sorted(by_ns)
+            for e in sorted(by_ns[ns], key=lambda e: -e.last_used)
+        ]
         print(json.dumps(rows, indent=1))
         return 0
     for ns in sorted(by_ns):
         print(_describe(namespace_label(store, ns)))
-        print(f"  {'sha1':12} {'reason':9} {'tokens':>13} {'size':>10} {'hits':>5} "
-              f"{'age':>6} {'used':>6} {'parent':12} text")
+        print(
+            f"  {'sha1':12} {'reason':9} {'tokens':>13} {'size':>10} {'hits':>5} "
+            f"{'age':>6} {'used':>6} {'parent':12} text"
+        )
         for e in sorted(by_ns[ns], key=lambda e: -e.last_used):
             r = _row(store, e, now)
             span = f"{r['parent_tokens']}..{r['tokens']}"
-            print(f"  {r['sha1'][:12]} {r['reason']:9} {span:>13} {human_bytes(r['bytes']):>10} "
-                  f"{r['hits']:>5} {human_age(r['age_s']):>6} {human_age(r['last_used_s']):>6} "
-                  f"{(r['parent'] or '-')[:12]:12} {r['text']}")
+            print(
+                f"  {r['sha1'][:12]} {r['reason']:9} {span:>13} {human_bytes(r['bytes']):>10} "
+                f"{r['hits']:>5} {human_age(r['age_s']):>6} {human_age(r['last_used_s']):>6} "
+                f"{(r['parent'] or '-')[:12]:12} {r['text']}"
+            )
     for ns, sha1, why in store.rejected:
         print(f"unreadable {ns}/{sha1}.kv: {why}", file=sys.stderr)
     return 0
@@ -171,24 +195,52 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     store.refresh(ns, force=True)
     chain = store.index.chain(ns, name[:40])
     info = {
-        "file": path, "format_version": h.version, "kv_dtype": DTYPE_NAMES[h.kv_dtype],
-        "reason": h.reason.name.lower(), "flags": h.flags,
-        "tool_map": bool(h.flags & FLAG_TOOL_MAP), "delta": bool(h.flags & FLAG_DELTA),
-        "tokens": h.tokens, "hits": h.hits, "context_size": h.context_size,
-        "created": h.created, "last_used": h.last_used, "payload_bytes": h.payload_bytes,
-        "text_bytes": meta.text_len, "fingerprint": p.fingerprint.hex(),
+        "file": path,
+        "format_version": h.version,
+        "kv_dtype": DTYPE_NAMES[h.kv_dtype],
+        "reason": h.reason.name.lower(),
+        "flags": h.flags,
+        "tool_map": bool(h.flags & FLAG_TOOL_MAP),
+        "delta": bool(h.flags & FLAG_DELTA),
+        "tokens": h.tokens,
+        "hits": h.hits,
+        "context_size": h.context_size,
+        "created": h.created,
+        "last_used": h.last_used,
+        "payload_bytes": h.payload_bytes,
+        "text_bytes": meta.text_len,
+        "fingerprint": p.fingerprint.hex(),
         "payload_version": p.version,
-        "parent": p.parent_sha1, "parent_tokens": p.parent_tokens,
-        "first_block": p.first_block, "blocks": p.num_blocks,
-        "layout": {"name": p.layout.name, "block_size": p.layout.block_size,
-                   "layers": p.layout.num_layers, "page_shape": list(p.layout.page_shape),
-                   "page_dtype": p.layout.dtype, "page_bytes": p.layout.page_bytes,
-                   "tp_rank": p.layout.tp_rank, "tp_size": p.layout.tp_size},
-        "groups": [{"kind": g.kind.name.lower(), "layers": g.layers, "window": g.window,
-                    "first_block": g.first_block, "blocks": g.num_blocks} for g in p.groups],
+        "parent": p.parent_sha1,
+        "parent_tokens": p.parent_tokens,
+        "first_block": p.first_block,
+        "blocks": p.num_blocks,
+        "layout": {
+            "name": p.layout.name,
+            "block_size": p.layout.block_size,
+            "layers": p.layout.num_layers,
+            "page_shape": list(p.layout.page_shape),
+            "page_dtype": p.layout.dtype,
+            "page_bytes": p.layout.page_bytes,
+            "tp_rank": p.layout.tp_rank,
+            "tp_size": p.layout.tp_size,
+        },
+        "groups": [
+            {
+                "kind": g.kind.name.lower(),
+                "layers": g.layers,
+                "window": g.window,
+                "first_block": g.first_block,
+                "blocks": g.num_blocks,
+            }
+            for g in p.groups
+        ],
         "token_digest": f"{p.token_digest:016x}",
-        "chain": [{"sha1": e.sha1, "tokens": e.tokens, "parent_tokens": e.parent_tokens}
-                  for e in chain] if chain else None,
+        "chain": [
+            {"sha1": e.sha1, "tokens": e.tokens, "parent_tokens": e.parent_tokens} for e in chain
+        ]
+        if chain
+        else None,
         "namespace": namespace_label(store, ns),
         "tool_ids": [tid for tid, _ in tool_map],
         "text": _preview(text_head, 200),
@@ -201,25 +253,56 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     lines = [
         ("file", path),
         ("model", _describe(info["namespace"])),
-        ("format", f"version {h.version} (payload {p.version}), KV dtype {info['kv_dtype']}, reason {info['reason']}"),
-        ("tokens", f"{p.parent_tokens}..{h.tokens} (blocks {p.first_block}..{p.first_block + p.num_blocks})"),
-        ("parent", f"{p.parent_sha1} (first {p.parent_tokens} tokens)" if p.parent_sha1 else "none (a root)"),
+        (
+            "format",
+            f"version {h.version} (payload {p.version}), KV dtype {info['kv_dtype']}, "
+            f"reason {info['reason']}",
+        ),
+        (
+            "tokens",
+            f"{p.parent_tokens}..{h.tokens} "
+            f"(blocks {p.first_block}..{p.first_block + p.num_blocks})",
+        ),
+        (
+            "parent",
+            f"{p.parent_sha1} (first {p.parent_tokens} tokens)"
+            if p.parent_sha1
+            else "none (a root)",
+        ),
         ("created", f"{human_time(h.created)} ({human_age(now - h.created)} ago)"),
-        ("last used", f"{human_time(h.last_used)} ({human_age(now - h.last_used)} ago), {h.hits} hit(s)"),
-        ("size", f"{human_bytes(size)}: text {human_bytes(meta.text_len)}, "
-                 f"payload {human_bytes(h.payload_bytes)}"),
-        ("layout", f"{lay['name']}: {lay['layers']} layers, pages of "
-                   f"{lay['page_shape']} {lay['page_dtype']} ({human_bytes(lay['page_bytes'])} "
-                   f"each), block {lay['block_size']}, TP {lay['tp_rank']}/{lay['tp_size']}"),
-        ("groups", "; ".join(
-            f"state after {h.tokens} tokens: {g['layers']} layer(s) x block {g['first_block']}"
-            if g["kind"] == "state" else
-            f"{g['kind']}{' ' + str(g['window']) if g['window'] else ''}: {g['layers']} "
-            f"layer(s) x blocks {g['first_block']}..{g['first_block'] + g['blocks']}"
-            for g in info["groups"])),
-        ("chain", " -> ".join(f"{c['sha1'][:12]}({c['parent_tokens']}..{c['tokens']})"
-                              for c in info["chain"]) if info["chain"]
-         else "BROKEN (a parent is missing)"),
+        (
+            "last used",
+            f"{human_time(h.last_used)} ({human_age(now - h.last_used)} ago), {h.hits} hit(s)",
+        ),
+        (
+            "size",
+            f"{human_bytes(size)}: text {human_bytes(meta.text_len)}, "
+            f"payload {human_bytes(h.payload_bytes)}",
+        ),
+        (
+            "layout",
+            f"{lay['name']}: {lay['layers']} layers, pages of "
+            f"{lay['page_shape']} {lay['page_dtype']} ({human_bytes(lay['page_bytes'])} "
+            f"each), block {lay['block_size']}, TP {lay['tp_rank']}/{lay['tp_size']}",
+        ),
+        (
+            "groups",
+            "; ".join(
+                f"state after {h.tokens} tokens: {g['layers']} layer(s) x block {g['first_block']}"
+                if g["kind"] == "state"
+                else f"{g['kind']}{' ' + str(g['window']) if g['window'] else ''}: {g['layers']} "
+                f"layer(s) x blocks {g['first_block']}..{g['first_block'] + g['blocks']}"
+                for g in info["groups"]
+            ),
+        ),
+        (
+            "chain",
+            " -> ".join(
+                f"{c['sha1'][:12]}({c['parent_tokens']}..{c['tokens']})" for c in info["chain"]
+            )
+            if info["chain"]
+            else "BROKEN (a parent is missing)",
+        ),
         ("tool ids", ", ".join(info["tool_ids"]) or "-"),
         ("text", info["text"]),
     ]
@@ -232,17 +315,31 @@ def cmd_verify(args: argparse.Namespace) -> int:
     store = _open_store(args.dir, writable=args.fix)
     report = verify(store, jobs=args.jobs, progress=_progress("verify"))
     if args.json:
-        print(json.dumps({"checked": report.checked, "bytes_checked": report.bytes_checked,
-                          "fixed": report.fixed, "ok": report.ok, "writing": report.writing,
-                          "problems": [{"ns": p.ns, "sha1": p.sha1, "kind": p.kind,
-                                        "detail": p.detail} for p in report.problems]},
-                         indent=1))
+        print(
+            json.dumps(
+                {
+                    "checked": report.checked,
+                    "bytes_checked": report.bytes_checked,
+                    "fixed": report.fixed,
+                    "ok": report.ok,
+                    "writing": report.writing,
+                    "problems": [
+                        {"ns": p.ns, "sha1": p.sha1, "kind": p.kind, "detail": p.detail}
+                        for p in report.problems
+                    ],
+                },
+                indent=1,
+            )
+        )
     else:
         for p in report.problems:
             print(f"{p.kind:11} {p.ns}/{p.sha1}: {p.detail}")
-        print(f"checked {report.checked} files ({human_bytes(report.bytes_checked)}): "
-              f"{len(report.problems)} problem(s)" + (f", {report.fixed} fixed" if args.fix else "")
-              + (f"; {report.writing} write(s) in progress" if report.writing else ""))
+        print(
+            f"checked {report.checked} files ({human_bytes(report.bytes_checked)}): "
+            f"{len(report.problems)} problem(s)"
+            + (f", {report.fixed} fixed" if args.fix else "")
+            + (f"; {report.writing} write(s) in progress" if report.writing else "")
+        )
     return 0 if report.ok else 1
 
 
@@ -252,9 +349,17 @@ def cmd_gc(args: argparse.Namespace) -> int:
     removed = store.gc_to(args.to_mb * 1024 * 1024, dry_run=args.dry_run)
     after = before - sum(e.size for e in removed)
     if args.json:
-        print(json.dumps({"removed": len(removed), "bytes_before": before, "bytes_after": after,
-                          "dry_run": args.dry_run,
-                          "files": [{"ns": e.ns, "sha1": e.sha1, "bytes": e.size} for e in removed]}))
+        print(
+            json.dumps(
+                {
+                    "removed": len(removed),
+                    "bytes_before": before,
+                    "bytes_after": after,
+                    "dry_run": args.dry_run,
+                    "files": [{"ns": e.ns, "sha1": e.sha1, "bytes": e.size} for e in removed],
+                }
+            )
+        )
     else:
         verb = "would remove" if args.dry_run else "removed"
         for e in removed if args.dry_run else ():
@@ -282,8 +387,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     else:
         verb = "would remove" if args.dry_run else "removed"
         for row in out:
-            print(f"{verb} {row['files']} file(s), {human_bytes(row['bytes'])}: "
-                  f"{_describe(row)}")
+            print(f"{verb} {row['files']} file(s), {human_bytes(row['bytes'])}: {_describe(row)}")
     return 0
 
 
@@ -296,24 +400,38 @@ def cmd_stats(args: argparse.Namespace) -> int:
     spaces = []
     for ns in store.namespaces():
         mine = store.index.namespace_entries(ns)
-        spaces.append({**namespace_label(store, ns), "files": len(mine),
-                       "bytes": sum(e.size for e in mine),
-                       "tokens_stored": sum(e.tokens - e.parent_tokens for e in mine)})
-    result = {"files": len(entries), "bytes": store.index.total_bytes,
-              "namespaces": spaces, "tokens_stored": sum(
-                  e.tokens - e.parent_tokens for e in entries),
-              "hits": sum(e.hits for e in entries), "by_reason": by_reason,
-              "quarantined": len(store.quarantined_files()), "unreadable": len(store.rejected)}
+        spaces.append(
+            {
+                **namespace_label(store, ns),
+                "files": len(mine),
+                "bytes": sum(e.size for e in mine),
+                "tokens_stored": sum(e.tokens - e.parent_tokens for e in mine),
+            }
+        )
+    result = {
+        "files": len(entries),
+        "bytes": store.index.total_bytes,
+        "namespaces": spaces,
+        "tokens_stored": sum(e.tokens - e.parent_tokens for e in entries),
+        "hits": sum(e.hits for e in entries),
+        "by_reason": by_reason,
+        "quarantined": len(store.quarantined_files()),
+        "unreadable": len(store.rejected),
+    }
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
-    print(f"{result['files']} checkpoint(s), {human_bytes(result['bytes'])}, "
-          f"{result['tokens_stored']} tokens stored, {result['hits']} hit(s)")
+    print(
+        f"{result['files']} checkpoint(s), {human_bytes(result['bytes'])}, "
+        f"{result['tokens_stored']} tokens stored, {result['hits']} hit(s)"
+    )
     print("by reason: " + (", ".join(f"{k} {v}" for k, v in sorted(by_reason.items())) or "-"))
     print(f"quarantined: {result['quarantined']}, unreadable: {result['unreadable']}")
     for row in spaces:
-        print(f"{_describe(row)}\n  {row['files']} file(s), {human_bytes(row['bytes'])}, "
-              f"{row['tokens_stored']} tokens")
+        print(
+            f"{_describe(row)}\n  {row['files']} file(s), {human_bytes(row['bytes'])}, "
+            f"{row['tokens_stored']} tokens"
+        )
     return 0
 
 
@@ -327,18 +445,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvdisk", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"kvdisk {ours}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, func, help_ in (("ls", cmd_ls, "list checkpoints"),
-                              ("verify", cmd_verify, "check every file and chain"),
-                              ("gc", cmd_gc, "evict down to a size"),
-                              ("rm", cmd_rm, "remove one namespace or model"),
-                              ("stats", cmd_stats, "totals")):
+    for name, func, help_ in (
+        ("ls", cmd_ls, "list checkpoints"),
+        ("verify", cmd_verify, "check every file and chain"),
+        ("gc", cmd_gc, "evict down to a size"),
+        ("rm", cmd_rm, "remove one namespace or model"),
+        ("stats", cmd_stats, "totals"),
+    ):
         p = sub.add_parser(name, help=help_)
         p.add_argument("dir")
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=func)
         if name == "verify":
-            p.add_argument("--fix", action="store_true",
-                           help="quarantine bad files, delete orphans and abandoned temp files")
+            p.add_argument(
+                "--fix",
+                action="store_true",
+                help="quarantine bad files, delete orphans and abandoned temp files",
+            )
             p.add_argument("--jobs", type=int, default=1, help="files checked at once")
         if name == "gc":
             p.add_argument("--to-mb", type=int, required=True)

@@ -15,24 +15,26 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from vllm_kvdisk.storage.fileread import read_text, read_tokens
 from vllm_kvdisk.core.index import Lookup, Miss
 from vllm_kvdisk.core.logs import get_logger
-from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.core.tokens import TokenTable
 from vllm_kvdisk.ops.trace import Trace
+from vllm_kvdisk.storage.fileread import read_text, read_tokens
+from vllm_kvdisk.storage.store import Store
 
 log = get_logger(__name__)
 
 QUEUE_SIZE = 256
 
 
-def explain(store: Store, table: TokenTable, ns: str, lookup: Lookup,
-            ids: np.ndarray) -> tuple[Miss, str]:
+def explain(
+    store: Store, table: TokenTable, ns: str, lookup: Lookup, ids: np.ndarray
+) -> tuple[Miss, str]:
     """The refined reason and its words for ``lookup`` of the prompt ``ids``."""
     miss = lookup.miss or Miss.NO_CHECKPOINT
     if miss is Miss.OTHER_NAMESPACE:
@@ -51,17 +53,23 @@ def explain(store: Store, table: TokenTable, ns: str, lookup: Lookup,
             continue
         if text is None:
             text, _ = table.render(ids)
-        common = len(os.path.commonprefix([theirs_text, text[:len(theirs_text)]]))
+        common = len(os.path.commonprefix([theirs_text, text[: len(theirs_text)]]))
         n = min(len(ids), len(theirs_ids))
         differ = np.flatnonzero(ids[:n] != theirs_ids[:n])
         at_token = int(differ[0]) if differ.size else n
         if common >= min(len(theirs_text), len(text)):
-            found = (common, Miss.TOKENS_DIFFER,
-                     f"{Miss.TOKENS_DIFFER.value} at token {at_token} of checkpoint {entry.sha1}")
+            found = (
+                common,
+                Miss.TOKENS_DIFFER,
+                f"{Miss.TOKENS_DIFFER.value} at token {at_token} of checkpoint {entry.sha1}",
+            )
         else:
-            found = (common, Miss.PREFIX_MISMATCH,
-                     f"{Miss.PREFIX_MISMATCH.value} at byte {common} (token {at_token}) of "
-                     f"checkpoint {entry.sha1}")
+            found = (
+                common,
+                Miss.PREFIX_MISMATCH,
+                f"{Miss.PREFIX_MISMATCH.value} at byte {common} (token {at_token}) of "
+                f"checkpoint {entry.sha1}",
+            )
         if best is None or found[0] > best[0]:
             best = found
     if best is None:
@@ -121,13 +129,15 @@ class LookupReport:
     """Counts each lookup's outcome in ``lookups{outcome}`` and writes its trace line; the
     part that reads files (a divergence in words) runs on ``diagnostics``' thread."""
 
-    def __init__(self, store: Store, table: TokenTable, stats: Any, trace: Trace,
-                 diagnostics: Diagnostics):
+    def __init__(
+        self, store: Store, table: TokenTable, stats: Any, trace: Trace, diagnostics: Diagnostics
+    ):
         self.store, self.table, self.stats = store, table, stats
         self.trace, self.diagnostics = trace, diagnostics
 
-    def hit(self, ns: str, lookup: Lookup, ids: np.ndarray, local: int, loaded: int,
-            files: int) -> None:
+    def hit(
+        self, ns: str, lookup: Lookup, ids: np.ndarray, local: int, loaded: int, files: int
+    ) -> None:
         self.stats.count("lookups", "hit:")
         if not self.trace.enabled:
             return
@@ -142,8 +152,9 @@ class LookupReport:
 
         self.diagnostics.submit(trace_hit)
 
-    def no_load(self, ns: str, lookup: Lookup, ids: np.ndarray | None, on_device: int,
-                declined: Any) -> None:
+    def no_load(
+        self, ns: str, lookup: Lookup, ids: np.ndarray | None, on_device: int, declined: Any
+    ) -> None:
         """A lookup that loads nothing: the GPU held it all, or a miss (and why)."""
         if lookup.segments and lookup.tokens <= on_device:
             self.stats.count("lookups", "device_hit:")
@@ -157,8 +168,10 @@ class LookupReport:
                 if miss is Miss.OTHER_NAMESPACE:
                     detail += f" ({', '.join(lookup.other_namespaces)})"
                 if miss is Miss.CHEAPER_TO_RECOMPUTE and declined is not None:
-                    detail += (f": load {declined.load_s * 1e3:.0f} ms vs prefill "
-                               f"{declined.recompute_s * 1e3:.0f} ms")
+                    detail += (
+                        f": load {declined.load_s * 1e3:.0f} ms vs prefill "
+                        f"{declined.recompute_s * 1e3:.0f} ms"
+                    )
                 if lookup.segments:
                     detail += f"; deepest checkpoint {lookup.tokens} tokens"
                 self.trace.miss(None, detail)

@@ -8,59 +8,156 @@ read ``METRICS`` (a literal) without importing the package.
 from __future__ import annotations
 
 # Fields of a stats snapshot, by how they travel from the engine to the API server.
-COUNTERS = ("tokens_looked_up", "tokens_loaded", "bytes_written", "bytes_read",
-            "save_failures", "evictions", "quarantined")  # deltas
+COUNTERS = (
+    "tokens_looked_up",
+    "tokens_loaded",
+    "bytes_written",
+    "bytes_read",
+    "save_failures",
+    "evictions",
+    "quarantined",
+)  # deltas
 LABELLED = ("lookups", "saves", "saves_skipped", "errors")  # label value -> delta
 SERIES = ("load_seconds", "save_seconds")  # observations
-GAUGES = ("disk_bytes", "disk_files", "disk_budget_bytes", "pending_writes",
-          "staging_peak_bytes")  # latest values
+GAUGES = (
+    "disk_bytes",
+    "disk_files",
+    "disk_budget_bytes",
+    "pending_writes",
+    "staging_peak_bytes",
+)  # latest values
 
 # The connector hooks that run guarded (the label values of vllm:kvdisk_errors_total).
-HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-         "request_finished", "update_connector_output", "reset_cache", "start_load_kv",
-         "wait_for_save", "handle_preemptions", "build_connector_worker_meta")
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                   10.0, 30.0)
+HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "request_finished",
+    "update_connector_output",
+    "reset_cache",
+    "start_load_kv",
+    "wait_for_save",
+    "handle_preemptions",
+    "build_connector_worker_meta",
+)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 
 # (series name without prefix, kind, extra labels, help, the snapshot field it reads)
 METRICS = (
-    ("lookups", "counter", ("result", "reason"),
-     "Disk cache lookups by result (hit, device_hit, miss) and miss reason.", "lookups"),
-    ("prompt_tokens_looked_up", "counter", (),
-     "Prompt tokens of requests looked up on disk.", "tokens_looked_up"),
-    ("tokens_loaded", "counter", (),
-     "Prompt tokens restored from disk instead of recomputed.", "tokens_loaded"),
+    (
+        "lookups",
+        "counter",
+        ("result", "reason"),
+        "Disk cache lookups by result (hit, device_hit, miss) and miss reason.",
+        "lookups",
+    ),
+    (
+        "prompt_tokens_looked_up",
+        "counter",
+        (),
+        "Prompt tokens of requests looked up on disk.",
+        "tokens_looked_up",
+    ),
+    (
+        "tokens_loaded",
+        "counter",
+        (),
+        "Prompt tokens restored from disk instead of recomputed.",
+        "tokens_loaded",
+    ),
     ("saves", "counter", ("reason",), "Checkpoints written, by save reason.", "saves"),
-    ("save_failures", "counter", (),
-     "Checkpoint writes that failed (the prefix stays uncached).", "save_failures"),
-    ("saves_skipped", "counter", ("reason",),
-     "Checkpoints not written for no fault: no_space (the budget or free-space watermark "
-     "cannot be met), lock_timeout, parent_gone, namespace_removed, exists (a file of that "
-     "name is on disk), busy (saves in flight hold the staging cap).", "saves_skipped"),
-    ("errors", "counter", ("hook",),
-     "Exceptions a connector hook caught (the request was served without the cache).",
-     "errors"),
+    (
+        "save_failures",
+        "counter",
+        (),
+        "Checkpoint writes that failed (the prefix stays uncached).",
+        "save_failures",
+    ),
+    (
+        "saves_skipped",
+        "counter",
+        ("reason",),
+        "Checkpoints not written for no fault: no_space (the budget or free-space watermark "
+        "cannot be met), lock_timeout, parent_gone, namespace_removed, exists (a file of that "
+        "name is on disk), busy (saves in flight hold the staging cap).",
+        "saves_skipped",
+    ),
+    (
+        "errors",
+        "counter",
+        ("hook",),
+        "Exceptions a connector hook caught (the request was served without the cache).",
+        "errors",
+    ),
     ("bytes_written", "counter", (), "Bytes of checkpoint files written.", "bytes_written"),
-    ("bytes_read", "counter", (), "Bytes of checkpoint files read for restores.",
-     "bytes_read"),
-    ("evictions", "counter", (),
-     "Checkpoint files evicted for the budget or the free-space watermark.", "evictions"),
-    ("quarantined_files", "counter", (),
-     "Corrupt, truncated or foreign files moved to quarantine.", "quarantined"),
-    ("load_seconds", "histogram", (), "Time to restore one request's chain from disk.",
-     "load_seconds"),
-    ("save_seconds", "histogram", (), "Time to encode, write and fsync one checkpoint.",
-     "save_seconds"),
-    ("disk_bytes", "gauge", (), "Bytes of checkpoint files in the cache directory.",
-     "disk_bytes"),
+    ("bytes_read", "counter", (), "Bytes of checkpoint files read for restores.", "bytes_read"),
+    (
+        "evictions",
+        "counter",
+        (),
+        "Checkpoint files evicted for the budget or the free-space watermark.",
+        "evictions",
+    ),
+    (
+        "quarantined_files",
+        "counter",
+        (),
+        "Corrupt, truncated or foreign files moved to quarantine.",
+        "quarantined",
+    ),
+    (
+        "load_seconds",
+        "histogram",
+        (),
+        "Time to restore one request's chain from disk.",
+        "load_seconds",
+    ),
+    (
+        "save_seconds",
+        "histogram",
+        (),
+        "Time to encode, write and fsync one checkpoint.",
+        "save_seconds",
+    ),
+    ("disk_bytes", "gauge", (), "Bytes of checkpoint files in the cache directory.", "disk_bytes"),
     ("disk_files", "gauge", (), "Checkpoint files in the cache directory.", "disk_files"),
-    ("disk_budget_bytes", "gauge", (), "The configured byte budget (kv_disk_space_mb).",
-     "disk_budget_bytes"),
-    ("pending_writes", "gauge", (), "Checkpoints copied out and not yet on disk.",
-     "pending_writes"),
-    ("staging_peak_bytes", "gauge", (),
-     "The most host staging memory saves in flight have held since start (the cap is "
-     "kv_disk_staging_inflight_mb; past it saves are skipped as busy).", "staging_peak_bytes"),
+    (
+        "disk_budget_bytes",
+        "gauge",
+        (),
+        "The configured byte budget (kv_disk_space_mb).",
+        "disk_budget_bytes",
+    ),
+    (
+        "pending_writes",
+        "gauge",
+        (),
+        "Checkpoints copied out and not yet on disk.",
+        "pending_writes",
+    ),
+    (
+        "staging_peak_bytes",
+        "gauge",
+        (),
+        "The most host staging memory saves in flight have held since start (the cap is "
+        "kv_disk_staging_inflight_mb; past it saves are skipped as busy).",
+        "staging_peak_bytes",
+    ),
 )
 
 

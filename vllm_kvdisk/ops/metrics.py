@@ -48,11 +48,19 @@ def snapshot(stats: recorder.StatsRecorder) -> KVDiskStats | None:
 
 
 class KVDiskPromMetrics(KVConnectorPromMetrics):
-    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]):
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        kinds = {"counter": self._counter_cls, "gauge": self._gauge_cls,
-                 "histogram": self._histogram_cls}
+        kinds = {
+            "counter": self._counter_cls,
+            "gauge": self._gauge_cls,
+            "histogram": self._histogram_cls,
+        }
         self._m: dict[str, Any] = {}
         for name, kind, extra, doc, _field in METRICS:
             kw: dict[str, Any] = {}
@@ -62,8 +70,11 @@ class KVDiskPromMetrics(KVConnectorPromMetrics):
                 kw["multiprocess_mode"] = "mostrecent"
             # Named without the _total that Prometheus adds to counters (exported_name).
             self._m[name] = kinds[kind](
-                name=f"vllm:kvdisk_{name}", documentation=doc,
-                labelnames=list(labelnames) + list(extra), **kw)
+                name=f"vllm:kvdisk_{name}",
+                documentation=doc,
+                labelnames=list(labelnames) + list(extra),
+                **kw,
+            )
         # Export every series from the start (at 0): alerts and rate() need them to exist.
         for labels in per_engine_labelvalues.values():
             for name, _kind, extra, _doc, _field in METRICS:

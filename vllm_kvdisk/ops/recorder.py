@@ -53,8 +53,9 @@ def reduce(d: dict[str, Any]) -> dict[str, int | float]:
 
 
 def is_empty(d: dict[str, Any]) -> bool:
-    return (not any(d.get(n) for n in COUNTERS + LABELLED + SERIES)
-            and not any(n in d for n in GAUGES))
+    return not any(d.get(n) for n in COUNTERS + LABELLED + SERIES) and not any(
+        n in d for n in GAUGES
+    )
 
 
 class StatsRecorder:

@@ -1,7 +1,7 @@
 """The decision trace (``--trace FILE``): one human-readable line per decision.
 
     2026-12-01T10:00:00 KV cache: miss for sha1=abc123... (reason: no checkpoint)
-    2026-12-01T10:00:01 KV cache: hit for sha1=def456... (restoring 10112 tokens from 3 file(s); ...)
+    2026-12-01T10:00:01 KV cache: hit for sha1=def456... (restoring 10112 tokens from 3 ...)
     2026-12-01T10:00:01 KV cache: saved reason=cold sha1=... tokens=10208 bytes=... ms=42
 
 This module owns the format: the connector writes through the typed methods of
@@ -21,11 +21,12 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
-from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.core.logs import get_logger
+from vllm_kvdisk.storage import fsdir
 
 log = get_logger(__name__)
 
@@ -54,16 +55,36 @@ _SHA = r"sha1=(?P<sha1>[0-9a-f]{40}|-)"
 _PATTERNS: list[tuple[str, re.Pattern[str]]] = [
     ("load_failed", re.compile(rf"^miss for {_SHA} \(reason: load failed: (?P<detail>.*)\)$")),
     ("miss", re.compile(rf"^miss for {_SHA} \(reason: (?P<detail>.*)\)$")),
-    ("loaded", re.compile(rf"^hit for {_SHA} \(loaded (?P<tokens>\d+) tokens from "
-                          rf"(?P<files>\d+) file\(s\), (?P<ms>[\d.]+) ms\)$")),
-    ("hit", re.compile(rf"^hit for {_SHA} \(restoring (?P<tokens>\d+) tokens from "
-                       rf"(?P<files>\d+) file\(s\)(?P<detail>.*)\)$")),
+    (
+        "loaded",
+        re.compile(
+            rf"^hit for {_SHA} \(loaded (?P<tokens>\d+) tokens from "
+            rf"(?P<files>\d+) file\(s\), (?P<ms>[\d.]+) ms\)$"
+        ),
+    ),
+    (
+        "hit",
+        re.compile(
+            rf"^hit for {_SHA} \(restoring (?P<tokens>\d+) tokens from "
+            rf"(?P<files>\d+) file\(s\)(?P<detail>.*)\)$"
+        ),
+    ),
     ("device_hit", re.compile(rf"^device hit for {_SHA} \((?P<detail>.*)\)$")),
     ("probe", re.compile(rf"^probe for {_SHA} \((?P<detail>.*)\)$")),
-    ("saved", re.compile(rf"^saved reason=(?P<reason>\w+) {_SHA} tokens=(?P<tokens>\d+) "
-                         rf"bytes=(?P<bytes>\d+) ms=(?P<ms>[\d.]+)$")),
-    ("save_skipped", re.compile(rf"^save skipped reason=\w+ {_SHA} why=(?P<reason>\w+): "
-                                rf"(?P<detail>.*)$")),
+    (
+        "saved",
+        re.compile(
+            rf"^saved reason=(?P<reason>\w+) {_SHA} tokens=(?P<tokens>\d+) "
+            rf"bytes=(?P<bytes>\d+) ms=(?P<ms>[\d.]+)$"
+        ),
+    ),
+    (
+        "save_skipped",
+        re.compile(
+            rf"^save skipped reason=\w+ {_SHA} why=(?P<reason>\w+): "
+            rf"(?P<detail>.*)$"
+        ),
+    ),
     ("save_failed", re.compile(rf"^save failed reason=(?P<reason>\w+) {_SHA}: (?P<detail>.*)$")),
     ("evicted", re.compile(rf"^evicted {_SHA} tokens=(?P<tokens>\d+) bytes=(?P<bytes>\d+)$")),
     ("quarantined", re.compile(rf"^quarantined {_SHA} \((?P<detail>.*)\)$")),
@@ -76,16 +97,23 @@ def parse(line: str) -> TraceEvent | None:
     at = line.find(PREFIX)
     if at < 0:
         return None
-    body = line[at + len(PREFIX):].rstrip("\n")
+    body = line[at + len(PREFIX) :].rstrip("\n")
     for kind, pattern in _PATTERNS:
         m = pattern.match(body)
         if m is None:
             continue
         g: dict[str, Any] = m.groupdict()
-        return TraceEvent(kind, g.get("sha1") or "", g.get("reason") or "",
-                          int(g.get("tokens") or 0), int(g.get("bytes") or 0),
-                          int(g.get("files") or 0), float(g.get("ms") or 0),
-                          (g.get("detail") or "").lstrip("; "), line.rstrip("\n"))
+        return TraceEvent(
+            kind,
+            g.get("sha1") or "",
+            g.get("reason") or "",
+            int(g.get("tokens") or 0),
+            int(g.get("bytes") or 0),
+            int(g.get("files") or 0),
+            float(g.get("ms") or 0),
+            (g.get("detail") or "").lstrip("; "),
+            line.rstrip("\n"),
+        )
     return None
 
 
@@ -111,8 +139,9 @@ def read(path: str, kinds: Iterable[str] | None = None) -> list[TraceEvent]:
 
 
 class Trace:
-    def __init__(self, path: str | None, *, max_bytes: int = DEFAULT_MAX_BYTES,
-                 to_log: bool = False):
+    def __init__(
+        self, path: str | None, *, max_bytes: int = DEFAULT_MAX_BYTES, to_log: bool = False
+    ):
         self.path = os.path.abspath(path) if path else None
         self.max_bytes = max_bytes
         self.to_log = to_log
@@ -124,8 +153,9 @@ class Trace:
 
     @classmethod
     def from_config(cls, config: Any) -> Trace:
-        return cls(config.trace, max_bytes=config.trace_max_mb * 1024 * 1024,
-                   to_log=config.trace_to_log)
+        return cls(
+            config.trace, max_bytes=config.trace_max_mb * 1024 * 1024, to_log=config.trace_to_log
+        )
 
     @property
     def enabled(self) -> bool:
@@ -133,8 +163,7 @@ class Trace:
 
     def _open(self) -> None:
         try:
-            self._fd = fsdir.open_regular(self.path, flags=os.O_WRONLY | os.O_APPEND
-                                          | os.O_CREAT)
+            self._fd = fsdir.open_regular(self.path, flags=os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         except OSError as exc:
             log.warning("kvdisk: cannot open trace %s: %s", self.path, exc)
             self._fd = None
@@ -182,25 +211,35 @@ class Trace:
         self.line(f"miss for sha1={sha1 or '-'} (reason: {detail})")
 
     def hit(self, sha1: str, tokens: int, files: int, detail: str = "") -> None:
-        self.line(f"hit for sha1={sha1} (restoring {tokens} tokens from {files} file(s)"
-                  f"{'; ' + detail if detail else ''})")
+        self.line(
+            f"hit for sha1={sha1} (restoring {tokens} tokens from {files} file(s)"
+            f"{'; ' + detail if detail else ''})"
+        )
 
     def loaded(self, sha1: str, tokens: int, files: int, seconds: float) -> None:
-        self.line(f"hit for sha1={sha1} (loaded {tokens} tokens from {files} file(s), "
-                  f"{seconds * 1e3:.1f} ms)")
+        self.line(
+            f"hit for sha1={sha1} (loaded {tokens} tokens from {files} file(s), "
+            f"{seconds * 1e3:.1f} ms)"
+        )
 
     def device_hit(self, sha1: str, on_device: int, on_disk: int) -> None:
-        self.line(f"device hit for sha1={sha1} ({on_device} tokens in the GPU prefix cache "
-                  f"cover the {on_disk} on disk)")
+        self.line(
+            f"device hit for sha1={sha1} ({on_device} tokens in the GPU prefix cache "
+            f"cover the {on_disk} on disk)"
+        )
 
     def probe(self, sha1: str, load_s: float, recompute_s: float) -> None:
-        self.line(f"probe for sha1={sha1} (loading although recompute looked cheaper: est. "
-                  f"load {load_s * 1e3:.0f} ms vs recompute {recompute_s * 1e3:.0f} ms; "
-                  "re-measuring the store)")
+        self.line(
+            f"probe for sha1={sha1} (loading although recompute looked cheaper: est. "
+            f"load {load_s * 1e3:.0f} ms vs recompute {recompute_s * 1e3:.0f} ms; "
+            "re-measuring the store)"
+        )
 
     def saved(self, reason: str, sha1: str, tokens: int, nbytes: int, seconds: float) -> None:
-        self.line(f"saved reason={reason} sha1={sha1} tokens={tokens} bytes={nbytes} "
-                  f"ms={seconds * 1e3:.0f}")
+        self.line(
+            f"saved reason={reason} sha1={sha1} tokens={tokens} bytes={nbytes} "
+            f"ms={seconds * 1e3:.0f}"
+        )
 
     def save_failed(self, reason: str, sha1: str, detail: str, skipped: str | None = None) -> None:
         if skipped:
@@ -215,8 +254,10 @@ class Trace:
         self.line(f"quarantined sha1={sha1} ({detail})")
 
     def load_failed(self, sha1: str, detail: str, blocks: int) -> None:
-        self.line(f"miss for sha1={sha1} (reason: load failed: {detail}; {blocks} block(s) "
-                  "will be recomputed)")
+        self.line(
+            f"miss for sha1={sha1} (reason: load failed: {detail}; {blocks} block(s) "
+            "will be recomputed)"
+        )
 
     def replay(self, summary: str) -> None:
         self.line(f"tool replay: {summary}")

@@ -74,16 +74,18 @@ def _accumulate(choices: dict[int, dict[str, Any]], body: str) -> None:
         return
     for choice in data.get("choices") or []:
         delta = choice.get("delta") or {}
-        state = choices.setdefault(choice.get("index", 0),
-                                   {"content": [], "reasoning": [], "calls": {}})
+        state = choices.setdefault(
+            choice.get("index", 0), {"content": [], "reasoning": [], "calls": {}}
+        )
         if delta.get("content"):
             state["content"].append(delta["content"])
         for key in ("reasoning", "reasoning_content"):
             if delta.get(key):
                 state["reasoning"].append(delta[key])
         for tc in delta.get("tool_calls") or []:
-            call = state["calls"].setdefault(tc.get("index", 0),
-                                             {"id": None, "name": "", "args": []})
+            call = state["calls"].setdefault(
+                tc.get("index", 0), {"id": None, "name": "", "args": []}
+            )
             call["id"] = call["id"] or tc.get("id")
             fn = tc.get("function") or {}
             call["name"] = call["name"] or fn.get("name") or ""
@@ -97,9 +99,11 @@ def _remember_stream(replayer: Remembers, choices: dict[int, dict[str, Any]], ta
             calls = [state["calls"][k] for k in sorted(state["calls"])]
             if not calls or not all(c["id"] for c in calls):
                 continue
-            signature = make_signature("".join(state["content"]),
-                                       [(c["name"], "".join(c["args"])) for c in calls],
-                                       "".join(state["reasoning"]))
+            signature = make_signature(
+                "".join(state["content"]),
+                [(c["name"], "".join(c["args"])) for c in calls],
+                "".join(state["reasoning"]),
+            )
             replayer.remember(tap.tokens.get(index, []), [c["id"] for c in calls], signature)
     except Exception:  # noqa: BLE001
         log.exception("kvdisk replay: could not record a streamed response")

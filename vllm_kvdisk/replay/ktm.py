@@ -13,11 +13,11 @@ import threading
 
 import numpy as np
 
-from vllm_kvdisk.storage.fileread import read_tokens, read_tool_map
 from vllm_kvdisk.core.format import FormatError
 from vllm_kvdisk.core.logs import get_logger
-from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.core.tokens import TokenTable
+from vllm_kvdisk.storage.fileread import read_tokens, read_tool_map
+from vllm_kvdisk.storage.store import Store
 
 log = get_logger(__name__)
 
@@ -36,8 +36,9 @@ class DiskToolMaps:
         with self._lock:
             for ns in self.store.namespaces():
                 self.store.refresh(ns)
-            fresh = [e for e in list(self.store.index.entries())
-                     if (e.ns, e.sha1) not in self._seen]
+            fresh = [
+                e for e in list(self.store.index.entries()) if (e.ns, e.sha1) not in self._seen
+            ]
             fresh.sort(key=lambda e: (e.last_used, e.created, e.sha1))
             self._seen &= set(self.store.index.keys())  # bounded by the files there are
             out = []
@@ -52,8 +53,9 @@ class DiskToolMaps:
                 out += [(tid, text, entry.ns, entry.sha1) for tid, text in pairs]
             return out
 
-    def recover_tokens(self, ns: str, sha1: str, text: str, table: TokenTable
-                       ) -> tuple[int, ...] | None:
+    def recover_tokens(
+        self, ns: str, sha1: str, text: str, table: TokenTable
+    ) -> tuple[int, ...] | None:
         """The token ids the file holds for ``text``: an occurrence that starts and ends on
         token boundaries (the ids the earlier request sent, sampled ones included)."""
         try:
@@ -69,9 +71,13 @@ class DiskToolMaps:
         while needle and at >= 0:
             i = int(np.searchsorted(starts, at))
             j = int(np.searchsorted(ends, at + len(needle)))
-            if (i < len(starts) and starts[i] == at
-                    and j < len(ends) and ends[j] == at + len(needle)):
-                return tuple(int(t) for t in ids[i:j + 1])
+            if (
+                i < len(starts)
+                and starts[i] == at
+                and j < len(ends)
+                and ends[j] == at + len(needle)
+            ):
+                return tuple(int(t) for t in ids[i : j + 1])
             at = rendered.find(needle, at + 1)
         return None
 

@@ -36,13 +36,13 @@ import socket
 import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import xxhash
 
-from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.core.logs import get_logger
+from vllm_kvdisk.storage import fsdir
 
 log = get_logger(__name__)
 
@@ -71,12 +71,19 @@ def encode_record(scope: str, call: ToolCall) -> bytes:
     raw_scope = scope.encode()
     raw_ids = [i.encode() for i in call.ids]
     raw_text = call.text.encode()
-    if (not 1 <= len(raw_ids) <= MAX_IDS_PER_RECORD or len(raw_scope) > 0xFFFF
-            or any(not 1 <= len(i) <= MAX_ID_BYTES for i in raw_ids)
-            or len(raw_text) > MAX_TEXT_BYTES or len(call.token_ids) > MAX_TOKENS):
+    if (
+        not 1 <= len(raw_ids) <= MAX_IDS_PER_RECORD
+        or len(raw_scope) > 0xFFFF
+        or any(not 1 <= len(i) <= MAX_ID_BYTES for i in raw_ids)
+        or len(raw_text) > MAX_TEXT_BYTES
+        or len(call.token_ids) > MAX_TOKENS
+    ):
         raise ValueError("tool call outside the record limits")
-    parts = [struct.pack("<H", len(raw_scope)), raw_scope,
-             COUNTS.pack(len(raw_ids), len(raw_text), len(call.token_ids))]
+    parts = [
+        struct.pack("<H", len(raw_scope)),
+        raw_scope,
+        COUNTS.pack(len(raw_ids), len(raw_text), len(call.token_ids)),
+    ]
     for raw in raw_ids:
         parts += [struct.pack("<H", len(raw)), raw]
     parts += [raw_text, struct.pack(f"<{len(call.token_ids)}I", *call.token_ids)]
@@ -98,9 +105,9 @@ def decode_body(body: bytes) -> tuple[str, ToolCall]:
         (id_len,) = struct.unpack_from("<H", body, pos)
         if not 1 <= id_len <= MAX_ID_BYTES:
             raise ValueError("tool id length outside the limits")
-        ids.append(body[pos + 2:pos + 2 + id_len].decode())
+        ids.append(body[pos + 2 : pos + 2 + id_len].decode())
         pos += 2 + id_len
-    text = body[pos:pos + text_len].decode()
+    text = body[pos : pos + text_len].decode()
     pos += text_len
     if pos + 4 * n_tokens != len(body):
         raise ValueError("record lengths do not add up")
@@ -141,11 +148,11 @@ def scan_records(buf: bytes | bytearray, scope: str) -> Scan:
             end = pos + HEAD.size + length
             if end > len(buf):
                 break  # incomplete: a write in progress or a crash mid-write
-            body = view[pos + HEAD.size:end]
+            body = view[pos + HEAD.size : end]
             try:
                 if xxhash.xxh3_64_intdigest(body) != checksum:
                     raise ValueError("checksum mismatch")
-                if body[:len(prefix)] != prefix:
+                if body[: len(prefix)] != prefix:
                     foreign += 1  # another model's: sound (checksummed), not ours to decode
                 else:
                     calls.append(decode_body(bytes(body))[1])
@@ -169,7 +176,7 @@ def read_records(fd: int, start: int, size: int, scope: str) -> Scan:
     at = start
     while at < size and window:
         with memoryview(window) as view:
-            n = os.preadv(fd, [view[:min(len(window), size - at)]], at)
+            n = os.preadv(fd, [view[: min(len(window), size - at)]], at)
             if n <= 0:
                 break
             pending += view[:n]
@@ -179,7 +186,7 @@ def read_records(fd: int, start: int, size: int, scope: str) -> Scan:
         out.used += found.used
         out.bad += found.bad
         out.foreign += found.foreign
-        del pending[:found.used]
+        del pending[: found.used]
     return out
 
 
@@ -215,8 +222,12 @@ class ToolLog:
     def _open_own(self) -> None:
         host = "".join(c for c in socket.gethostname() if c.isalnum() or c in "-_")[:40] or "host"
         self._name = f"{host}-{os.getpid()}-{secrets.token_hex(4)}{SUFFIX}"
-        self._fd = os.open(self._name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL
-                           | fsdir.NOFOLLOW, 0o600, dir_fd=self._dir_fd)
+        self._fd = os.open(
+            self._name,
+            os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | fsdir.NOFOLLOW,
+            0o600,
+            dir_fd=self._dir_fd,
+        )
         with contextlib.suppress(OSError):
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._records = 0
@@ -248,7 +259,7 @@ class ToolLog:
     def _compact(self, keep: list[ToolCall]) -> None:
         """Rewrite this process's log with only ``keep`` (the newest calls)."""
         old_fd, old_name = self._fd, self._name
-        body = b"".join(encode_record(self.scope, c) for c in keep[-self.max_ids:])
+        body = b"".join(encode_record(self.scope, c) for c in keep[-self.max_ids :])
         self._open_own()
         os.write(self._fd, body)
         os.fsync(self._fd)
@@ -270,8 +281,11 @@ class ToolLog:
         out: list[ToolCall] = []
         try:
             with os.scandir(self._dir_fd) as it:
-                names = sorted(de.name for de in it
-                               if de.name.endswith(SUFFIX) and de.is_file(follow_symlinks=False))
+                names = sorted(
+                    de.name
+                    for de in it
+                    if de.name.endswith(SUFFIX) and de.is_file(follow_symlinks=False)
+                )
         except OSError as exc:
             log.warning("kvdisk replay: cannot list the tool-call logs: %s", exc)
             return []
@@ -333,11 +347,14 @@ class ToolLog:
         dead = []
         with os.scandir(self._dir_fd) as it:
             for de in it:
-                if (de.name.endswith(SUFFIX) and de.name != self._name
-                        and de.name not in self._foreign
-                        and de.is_file(follow_symlinks=False)
-                        and self._read_whole(de.name)
-                        and fsdir.writer_gone(self._dir_fd, de.name)):
+                if (
+                    de.name.endswith(SUFFIX)
+                    and de.name != self._name
+                    and de.name not in self._foreign
+                    and de.is_file(follow_symlinks=False)
+                    and self._read_whole(de.name)
+                    and fsdir.writer_gone(self._dir_fd, de.name)
+                ):
                     dead.append(de.name)
         if not dead:
             return 0
@@ -363,8 +380,12 @@ class ToolLog:
         if start is None:
             return False
         scanned = self._scan_file(name, start)
-        return (scanned is not None and scanned[0] == start and not scanned[1].calls
-                and not scanned[1].foreign)
+        return (
+            scanned is not None
+            and scanned[0] == start
+            and not scanned[1].calls
+            and not scanned[1].foreign
+        )
 
     def close(self) -> None:
         with self._lock:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_kvdisk.replay.messages import Signature
 from vllm_kvdisk.core.tokens import TokenTable
+from vllm_kvdisk.replay.messages import Signature
 
 
 @dataclass(slots=True)

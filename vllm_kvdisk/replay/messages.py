@@ -40,16 +40,20 @@ def plain_text(content: Any) -> str:
     if isinstance(content, str):
         return content.strip()
     if isinstance(content, list):  # OpenAI content parts
-        return "".join(p.get("text", "") for p in content
-                       if isinstance(p, dict) and p.get("type") == "text").strip()
+        return "".join(
+            p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+        ).strip()
     return str(content).strip()
 
 
-def make_signature(content: Any, calls: Iterable[tuple[str, Any]],
-                   reasoning: Any = None) -> Signature:
-    return Signature(plain_text(content),
-                     tuple((str(name), canonical_arguments(args)) for name, args in calls),
-                     plain_text(reasoning))
+def make_signature(
+    content: Any, calls: Iterable[tuple[str, Any]], reasoning: Any = None
+) -> Signature:
+    return Signature(
+        plain_text(content),
+        tuple((str(name), canonical_arguments(args)) for name, args in calls),
+        plain_text(reasoning),
+    )
 
 
 def _get(obj: Any, key: str) -> Any:

@@ -77,10 +77,13 @@ def plugins_env(current: str | None) -> str:
         names = [n for n in current.split(",") if n]
     else:
         names = []
-        for group in ("vllm.general_plugins", "vllm.platform_plugins",
-                      "vllm.io_processor_plugins", "vllm.stat_logger_plugins"):
-            names += [ep.name for ep in entry_points(group=group)
-                      if ep.name not in _OPT_IN_PLUGINS]
+        for group in (
+            "vllm.general_plugins",
+            "vllm.platform_plugins",
+            "vllm.io_processor_plugins",
+            "vllm.stat_logger_plugins",
+        ):
+            names += [ep.name for ep in entry_points(group=group) if ep.name not in _OPT_IN_PLUGINS]
     for name in (GENERAL_PLUGIN_NAME, PLUGIN_NAME):
         if name not in names:
             names.append(name)
@@ -102,8 +105,9 @@ class ReplayPlugin:
             return
         config = kvdisk_config(engine_client.vllm_config)
         if config is None:
-            log.warning("kvdisk replay: the kvdisk connector is not configured; tool-call "
-                        "replay is off")
+            log.warning(
+                "kvdisk replay: the kvdisk connector is not configured; tool-call replay is off"
+            )
             return
         if config.tool_memory_max_ids == 0:
             log.info("kvdisk replay: tool_memory_max_ids is 0; tool-call replay is off")
@@ -121,8 +125,10 @@ def kvdisk_config(vllm_config: Any) -> Any:
     from vllm_kvdisk.core.config import load_config
 
     transfer = getattr(vllm_config, "kv_transfer_config", None)
-    if transfer is None or (transfer.kv_connector != "kvdisk" and getattr(
-            transfer, "kv_connector_module_path", None) != "vllm_kvdisk.connector.facade"):
+    if transfer is None or (
+        transfer.kv_connector != "kvdisk"
+        and getattr(transfer, "kv_connector_module_path", None) != "vllm_kvdisk.connector.facade"
+    ):
         return None
     return load_config(dict(transfer.kv_connector_extra_config or {}), os.environ)
 
@@ -153,9 +159,14 @@ class Replayer:
             folded = self.log.fold_dead(newest_calls(calls, self.memory.max_ids))
             from_log = sum(len(c.ids) for c in calls)
             from_files = self._poll_files()
-            log.info("kvdisk replay: %d tool-call id(s) from the tool-call log (%d old log(s) "
-                     "folded), %d from checkpoint files, in %.2f s", from_log, folded,
-                     from_files, time.monotonic() - started)
+            log.info(
+                "kvdisk replay: %d tool-call id(s) from the tool-call log (%d old log(s) "
+                "folded), %d from checkpoint files, in %.2f s",
+                from_log,
+                folded,
+                from_files,
+                time.monotonic() - started,
+            )
         except Exception:  # noqa: BLE001
             log.exception("kvdisk replay: reading tool maps failed")
         finally:
@@ -175,7 +186,8 @@ class Replayer:
         added = 0
         for tid, text, ns, sha1 in self.disk.poll():
             added += self.memory.add_if_absent(
-                tid, ToolRecord(text, None, None, origin="disk", source=(ns, sha1)))
+                tid, ToolRecord(text, None, None, origin="disk", source=(ns, sha1))
+            )
         return added
 
     def _poll_disk(self) -> None:
@@ -205,10 +217,17 @@ class Replayer:
 
         try:
             tool_dicts = [t.model_dump() if hasattr(t, "model_dump") else t for t in tools or []]
-            request = ChatCompletionRequest(messages=[{"role": "user", "content": ""}],
-                                            tools=tool_dicts or None, tool_choice="auto")
-            parser = parser_cls(self.tokenizer, request.tools, chat_template_kwargs={},
-                                model_config=self.chat.model_config)
+            request = ChatCompletionRequest(
+                messages=[{"role": "user", "content": ""}],
+                tools=tool_dicts or None,
+                tool_choice="auto",
+            )
+            parser = parser_cls(
+                self.tokenizer,
+                request.tools,
+                chat_template_kwargs={},
+                model_config=self.chat.model_config,
+            )
             reasoning, content, calls = parser.parse(record.text, request, enable_auto_tools=True)
         except Exception as exc:  # noqa: BLE001 - a parser failure means "do not replay"
             log.debug("kvdisk replay: cannot parse a recorded tool call: %s", exc)
@@ -238,7 +257,8 @@ class Replayer:
             if record.token_ids is None and record.source is not None:
                 source, record.source = record.source, None  # one try; else its text is tokenized
                 record.token_ids = await asyncio.to_thread(
-                    self.disk.recover_tokens, *source, record.text, self.table)
+                    self.disk.recover_tokens, *source, record.text, self.table
+                )
         return plan
 
     def finish(self, request: Any, plan: Plan) -> None:
@@ -258,13 +278,17 @@ class Replayer:
         try:
             conversation, prompt = await original(swapped, params)
             text = prompt.get("prompt") if isinstance(prompt, dict) else None
-            if (not isinstance(text, str) or "prompt_token_ids" in prompt
-                    or "multi_modal_data" in prompt):
+            if (
+                not isinstance(text, str)
+                or "prompt_token_ids" in prompt
+                or "multi_modal_data" in prompt
+            ):
                 result, why = None, "the renderer does not produce text"
             else:
                 opening = await self._opening(original, params, sentinels[0])
-                result = await asyncio.to_thread(splice, text, sentinels, plan.replays,
-                                                 self._encode, opening)
+                result = await asyncio.to_thread(
+                    splice, text, sentinels, plan.replays, self._encode, opening
+                )
                 why = "the chat template did not render a replayed message verbatim"
         except Exception as exc:  # noqa: BLE001 - e.g. a template that insists on tool_calls
             result, why = None, f"rendering failed: {exc}"
@@ -290,11 +314,18 @@ class Replayer:
             kwargs = dict(params.chat_template_kwargs or {})
             kwargs.pop("continue_final_message", None)
             user = {"role": "user", "content": "q"}
-            _, gen = await original([user], dataclasses.replace(
-                params, chat_template_kwargs={**kwargs, "add_generation_prompt": True}))
-            _, content = await original([user, {"role": "assistant", "content": sentinel}],
-                                        dataclasses.replace(params, chat_template_kwargs={
-                                            **kwargs, "add_generation_prompt": False}))
+            _, gen = await original(
+                [user],
+                dataclasses.replace(
+                    params, chat_template_kwargs={**kwargs, "add_generation_prompt": True}
+                ),
+            )
+            _, content = await original(
+                [user, {"role": "assistant", "content": sentinel}],
+                dataclasses.replace(
+                    params, chat_template_kwargs={**kwargs, "add_generation_prompt": False}
+                ),
+            )
             return turn_opening(gen["prompt"], content["prompt"], sentinel)
         except Exception as exc:  # noqa: BLE001 - a template that refuses this conversation
             log.debug("kvdisk replay: cannot tell how turns open: %s", exc)
@@ -319,8 +350,11 @@ class Replayer:
         self.log.append(ToolCall(tuple(ids), text, tuple(sampled)), self._newest)
 
     def _newest(self) -> list[ToolCall]:
-        return [ToolCall(tuple(ids), r.text, r.token_ids) for ids, r in self.memory.records()
-                if r.token_ids is not None]
+        return [
+            ToolCall(tuple(ids), r.text, r.token_ids)
+            for ids, r in self.memory.records()
+            if r.token_ids is not None
+        ]
 
     def remember_response(self, response: Any, tap: Tap) -> None:
         for choice in getattr(response, "choices", None) or []:
@@ -329,8 +363,10 @@ class Replayer:
             if not calls:
                 continue
             signature = make_signature(
-                message.content, [(c.function.name, c.function.arguments) for c in calls],
-                getattr(message, "reasoning", None))
+                message.content,
+                [(c.function.name, c.function.arguments) for c in calls],
+                getattr(message, "reasoning", None),
+            )
             self.remember(tap.tokens.get(choice.index, []), [c.id for c in calls], signature)
 
     # -- installation -------------------------------------------------------------------

@@ -43,11 +43,15 @@ class Plan:
 
     def summary(self) -> str:
         if self.fallback:
-            line = (f"none (rendered as usual: {self.fallback}); "
-                    f"{self.missing} missing, {self.changed} changed")
+            line = (
+                f"none (rendered as usual: {self.fallback}); "
+                f"{self.missing} missing, {self.changed} changed"
+            )
         else:
-            line = (f"{self.from_memory} from memory, {self.from_disk} from disk, "
-                    f"{self.missing} missing, {self.changed} changed")
+            line = (
+                f"{self.from_memory} from memory, {self.from_disk} from disk, "
+                f"{self.missing} missing, {self.changed} changed"
+            )
         if self.notes:  # bounded: a long conversation says its first reasons only
             more = f"; +{len(self.notes) - 3} more" if len(self.notes) > 3 else ""
             line += " (as the template renders: " + "; ".join(self.notes[:3]) + more + ")"
@@ -57,8 +61,9 @@ class Plan:
         return [[tid, r.record.text] for r in self.replays for tid in r.ids]
 
 
-def plan_replay(messages: Sequence[Any], memory: ToolMemory,
-                sign: Callable[[ToolRecord], Signature | None]) -> Plan:
+def plan_replay(
+    messages: Sequence[Any], memory: ToolMemory, sign: Callable[[ToolRecord], Signature | None]
+) -> Plan:
     """Which assistant messages can be replayed. ``sign`` parses a disk record's text
     into the message the client would have seen (None if it cannot)."""
     plan = Plan()
@@ -71,18 +76,25 @@ def plan_replay(messages: Sequence[Any], memory: ToolMemory,
         plan.missing += len(ids) - len(known)
         if len(known) < len(ids):
             plan.changed += len(known)
-            plan.notes.append(f"message {index}: {len(ids) - len(known)} of {len(ids)} "
-                              "call(s) unknown")
+            plan.notes.append(
+                f"message {index}: {len(ids) - len(known)} of {len(ids)} call(s) unknown"
+            )
             continue
         record = known[0]
         same = all(r is record or r.text == record.text for r in known)
         if same and record.signature is None:
             record.signature = sign(record)
-        why = ("its calls come from different turns" if not same
-               else "its sampled text could not be parsed" if record.signature is None
-               else "it has reasoning" if record.signature.reasoning
-               else "it differs from what was sampled"
-               if record.signature != message_signature(message) else None)
+        why = (
+            "its calls come from different turns"
+            if not same
+            else "its sampled text could not be parsed"
+            if record.signature is None
+            else "it has reasoning"
+            if record.signature.reasoning
+            else "it differs from what was sampled"
+            if record.signature != message_signature(message)
+            else None
+        )
         if why is not None:
             plan.changed += len(ids)
             plan.notes.append(f"message {index}: {why}")
@@ -95,8 +107,9 @@ def plan_replay(messages: Sequence[Any], memory: ToolMemory,
     return plan
 
 
-def sentinel_messages(messages: Sequence[Any], replays: Sequence[Replay]
-                      ) -> tuple[list[Any], list[str]]:
+def sentinel_messages(
+    messages: Sequence[Any], replays: Sequence[Replay]
+) -> tuple[list[Any], list[str]]:
     """The messages with each replayed assistant message reduced to a unique sentinel as
     its content (alphanumeric, so no template escapes or trims it)."""
     nonce = uuid.uuid4().hex
@@ -135,9 +148,13 @@ def turn_opening(with_generation: str, with_content: str, sentinel: str) -> Turn
     return TurnOpening(with_generation[common:], before[common:])
 
 
-def splice(text: str, sentinels: Sequence[str], replays: Sequence[Replay],
-           encode: Callable[[str], list[int]], opening: TurnOpening | None = None
-           ) -> tuple[list[int], str] | None:
+def splice(
+    text: str,
+    sentinels: Sequence[str],
+    replays: Sequence[Replay],
+    encode: Callable[[str], list[int]],
+    opening: TurnOpening | None = None,
+) -> tuple[list[int], str] | None:
     """Token ids and text of the rendered prompt with each sentinel replaced by the
     replayed turn, exactly as sampled: content, whitespace, every call and the text
     between calls. With ``opening``, the template's content opening before each sentinel
@@ -157,7 +174,7 @@ def splice(text: str, sentinels: Sequence[str], replays: Sequence[Replay],
         if opening is not None and opening.content != opening.generation:
             if not piece.endswith(opening.content):
                 return None
-            piece = piece[:len(piece) - len(opening.content)] + opening.generation
+            piece = piece[: len(piece) - len(opening.content)] + opening.generation
         ids += encode(piece) if piece else []
         parts += [piece, replay.record.text]
         tokens = replay.record.token_ids

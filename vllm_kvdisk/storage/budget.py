@@ -24,13 +24,13 @@ import contextlib
 import errno
 import os
 import threading
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from vllm_kvdisk.core.changes import bulk
-from vllm_kvdisk.core.eviction import plan_eviction
-from vllm_kvdisk.core.format import FormatError
 from vllm_kvdisk.core.encode import Encoded, summary_of
 from vllm_kvdisk.core.entry import Entry, Key, entry_of
+from vllm_kvdisk.core.eviction import plan_eviction
+from vllm_kvdisk.core.format import FormatError
 from vllm_kvdisk.core.index import Index
 from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage.directory import Directory
@@ -38,11 +38,9 @@ from vllm_kvdisk.storage.lock import DirLock
 from vllm_kvdisk.storage.scan import Scanner
 from vllm_kvdisk.storage.stats import StoreStats
 
-
 RECHECKS = 4  # eviction plans made again after a victim was not its entry's file
 
-SKIP_REASONS = ("no_space", "lock_timeout", "parent_gone", "namespace_removed", "busy",
-                "exists")
+SKIP_REASONS = ("no_space", "lock_timeout", "parent_gone", "namespace_removed", "busy", "exists")
 
 
 class SaveSkipped(Exception):
@@ -55,11 +53,21 @@ class SaveSkipped(Exception):
 
 
 class Budget:
-    def __init__(self, directory: Directory, lock: DirLock, index: Index, scanner: Scanner,
-                 stats: StoreStats, *, mutex: threading.RLock, space_bytes: int,
-                 min_free_bytes: int = 0, clock: Callable[[], float],
-                 statvfs: Callable[[int], os.statvfs_result] = os.fstatvfs,
-                 on_evict: Callable[[Entry], None] | None = None):
+    def __init__(
+        self,
+        directory: Directory,
+        lock: DirLock,
+        index: Index,
+        scanner: Scanner,
+        stats: StoreStats,
+        *,
+        mutex: threading.RLock,
+        space_bytes: int,
+        min_free_bytes: int = 0,
+        clock: Callable[[], float],
+        statvfs: Callable[[int], os.statvfs_result] = os.fstatvfs,
+        on_evict: Callable[[Entry], None] | None = None,
+    ):
         self.directory = directory
         self.lock = lock
         self.index = index
@@ -72,8 +80,7 @@ class Budget:
         self._statvfs = statvfs
         self._on_evict = on_evict
 
-    def write(self, ns: str, sha1: str, encoded: Encoded, *,
-              protect: Iterable[Key] = ()) -> Entry:
+    def write(self, ns: str, sha1: str, encoded: Encoded, *, protect: Iterable[Key] = ()) -> Entry:
         """Write a checkpoint atomically and index it, keeping the budget and the free-space
         watermark. Raises SaveSkipped (nothing written, nothing evicted) when it cannot fit,
         its parent is gone, or the lock is busy; OSError/FormatError when writing failed."""
@@ -86,8 +93,9 @@ class Budget:
             os.close(dir_fd)
             self.stats.skipped_saves += 1
             raise SaveSkipped("exists", f"{sha1}.kv is on disk already")
-        entry = entry_of(ns, sha1, summary_of(encoded), encoded.size, 0,
-                         used_ns=int(self.clock() * 1e9))
+        entry = entry_of(
+            ns, sha1, summary_of(encoded), encoded.size, 0, used_ns=int(self.clock() * 1e9)
+        )
         try:
             with fsdir.TempFile(dir_fd, f"{sha1}.kv") as tmp:
                 try:
@@ -122,16 +130,20 @@ class Budget:
         except fsdir.LockTimeout as exc:
             raise SaveSkipped("lock_timeout", str(exc)) from None
 
-    def _commit_locked(self, entry: Entry, tmp: fsdir.TempFile | None,
-                       protect: Iterable[Key]) -> None:
+    def _commit_locked(
+        self, entry: Entry, tmp: fsdir.TempFile | None, protect: Iterable[Key]
+    ) -> None:
         ns = entry.ns
         self.scanner.catch_up()  # a listing only if another process changed a name
         if tmp is not None and not fsdir.same_dir(tmp.dir_fd, ns, self.directory.fd):
             raise SaveSkipped("namespace_removed", f"namespace {ns} was removed meanwhile")
         if entry.parent is not None:
             above = self.index.get(ns, entry.parent)
-            if (above is None or not above.parent_tokens < entry.parent_tokens <= above.tokens
-                    or not self._still_there(above)):
+            if (
+                above is None
+                or not above.parent_tokens < entry.parent_tokens <= above.tokens
+                or not self._still_there(above)
+            ):
                 raise SaveSkipped("parent_gone", f"parent {entry.parent[:12]} is not on disk")
         if tmp is not None and _on_disk(tmp.dir_fd, tmp.final):
             # One rendered text can come from other token ids (a sampled tokenization and
@@ -147,9 +159,13 @@ class Budget:
             freed = sum(e.size for e in plan)
             need = self._shortfall(entry.size, incoming)
             if freed < need:
-                raise SaveSkipped("no_space", (
-                    f"{need} bytes must be freed for a file of {entry.size} but only {freed} "
-                    "are evictable (budget or free-space watermark)"))
+                raise SaveSkipped(
+                    "no_space",
+                    (
+                        f"{need} bytes must be freed for a file of {entry.size} but only {freed} "
+                        "are evictable (budget or free-space watermark)"
+                    ),
+                )
             self._delete(plan)
         if tmp is None:
             return
@@ -196,8 +212,9 @@ class Budget:
         return self.directory.rank_groups(self.index.namespaces())
 
     # -- eviction ---------------------------------------------------------------------
-    def _plan(self, need: int, keep: set[Key], adding: list[Entry],
-              shortfall: Callable[[], int]) -> list[Entry]:
+    def _plan(
+        self, need: int, keep: set[Key], adding: list[Entry], shortfall: Callable[[], int]
+    ) -> list[Entry]:
         """Under the lock: the leaves to delete, each checked on disk first (a stat per
         victim, never a listing: the index is caught up by the journal or a listing). A
         victim that is not the file its entry says (another replica's hits, another file
@@ -208,8 +225,9 @@ class Budget:
                 self.scanner.refresh_all(force=True)
                 need = shortfall()
             with bulk():  # O(files) small objects: the collector would walk the index
-                plan = plan_eviction(self.index, need, self.clock(), keep, adding=adding,
-                                     groups=self._groups())
+                plan = plan_eviction(
+                    self.index, need, self.clock(), keep, adding=adding, groups=self._groups()
+                )
             if self.scanner.verify_victims(plan):
                 return plan
             need = shortfall()
@@ -234,14 +252,16 @@ class Budget:
         finally:  # what went is journaled even if a later unlink failed (EIO, EACCES)
             self.scanner.names_changed(remove=[(e.ns, e.sha1, e.inode) for e in gone])
 
-    def evict(self, need_bytes: int, protect: Iterable[Key] = (), *,
-              dry_run: bool = False) -> list[Entry]:
+    def evict(
+        self, need_bytes: int, protect: Iterable[Key] = (), *, dry_run: bool = False
+    ) -> list[Entry]:
         """Delete the lowest-scored leaves until ``need_bytes`` are freed (decided under the
         lock from a fresh listing). ``dry_run``: only say what would go."""
         with self.lock.hold(), self._mutex:
             self.scanner.refresh_all(force=True)
-            plan = plan_eviction(self.index, need_bytes, self.clock(), protect,
-                                 groups=self._groups())
+            plan = plan_eviction(
+                self.index, need_bytes, self.clock(), protect, groups=self._groups()
+            )
             if not dry_run:
                 self._delete(plan)
         return plan

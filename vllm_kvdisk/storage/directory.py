@@ -35,8 +35,8 @@ import os
 import re
 import shutil
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from vllm_kvdisk.core.keys import Fingerprint, rank_group
 from vllm_kvdisk.core.logs import get_logger
@@ -79,9 +79,15 @@ class NamespaceDir:
 
 
 class Directory:
-    def __init__(self, root: str, *, mutex: threading.RLock,
-                 on_replaced: Callable[[str], None], readonly: bool = False,
-                 allow_shared_dir: bool = False):
+    def __init__(
+        self,
+        root: str,
+        *,
+        mutex: threading.RLock,
+        on_replaced: Callable[[str], None],
+        readonly: bool = False,
+        allow_shared_dir: bool = False,
+    ):
         self.root = os.path.abspath(root)
         # Read-only (inspection tools): never moves, deletes or creates anything.
         self.readonly = readonly
@@ -131,8 +137,11 @@ class Directory:
             del self._ns[ns]
             self._on_replaced(ns)
         try:
-            fd = (fsdir.make_dir(ns, self.fd) if create and not self.readonly
-                  else fsdir.open_dir(ns, self.fd))
+            fd = (
+                fsdir.make_dir(ns, self.fd)
+                if create and not self.readonly
+                else fsdir.open_dir(ns, self.fd)
+            )
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -154,8 +163,11 @@ class Directory:
             return []
         try:
             with os.scandir(self.fd) as it:
-                return sorted(de.name for de in it
-                              if NS_NAME.match(de.name) and de.is_dir(follow_symlinks=False))
+                return sorted(
+                    de.name
+                    for de in it
+                    if NS_NAME.match(de.name) and de.is_dir(follow_symlinks=False)
+                )
         except OSError as exc:
             log.warning("kvdisk: cannot list %s: %s", self.root, exc)
             return []
@@ -170,8 +182,9 @@ class Directory:
             try:
                 os.stat("namespace.json", dir_fd=state.fd, follow_symlinks=False)
             except FileNotFoundError:
-                body = json.dumps({"digest": fp.digest().hex(), **fp.describe()}, indent=1,
-                                  sort_keys=True).encode()
+                body = json.dumps(
+                    {"digest": fp.digest().hex(), **fp.describe()}, indent=1, sort_keys=True
+                ).encode()
                 fsdir.write_atomic(state.fd, "namespace.json", [body])
         return ns
 
@@ -221,9 +234,12 @@ class Directory:
                 raise FileNotFoundError(errno.ENOENT, f"no namespace {ns}")
             # Never a FIFO or a device (a blocking open would stall the engine's step);
             # never written in place through a name with other hard links.
-            return fsdir.open_regular(f"{sha1}.kv", state.fd,
-                                      flags=os.O_RDWR if writable else os.O_RDONLY,
-                                      single_link=writable)
+            return fsdir.open_regular(
+                f"{sha1}.kv",
+                state.fd,
+                flags=os.O_RDWR if writable else os.O_RDONLY,
+                single_link=writable,
+            )
 
     def temp_files(self) -> list[tuple[str, str, bool]]:
         """(namespace, name, abandoned) of every temp file."""
@@ -235,8 +251,9 @@ class Directory:
                     continue
                 with os.scandir(state.fd) as it:
                     for de in it:  # a FIFO or a directory named like one is nobody's write
-                        if (de.name.startswith(fsdir.TMP_PREFIX)
-                                and de.is_file(follow_symlinks=False)):
+                        if de.name.startswith(fsdir.TMP_PREFIX) and de.is_file(
+                            follow_symlinks=False
+                        ):
                             out.append((ns, de.name, fsdir.writer_gone(state.fd, de.name)))
         return out
 
@@ -279,8 +296,11 @@ class Directory:
             if name.startswith(fsdir.TMP_PREFIX) and fsdir.writer_gone(self.fd, name):
                 with contextlib.suppress(OSError):
                     os.unlink(name, dir_fd=self.fd)
-        return sum(self.delete_tree(name) for name, is_dir in entries
-                   if is_dir and name.startswith(TRASH_PREFIX))
+        return sum(
+            self.delete_tree(name)
+            for name, is_dir in entries
+            if is_dir and name.startswith(TRASH_PREFIX)
+        )
 
     def delete_tree(self, name: str, *, wait: bool = True) -> int:
         """Delete a namespace renamed away, whatever is inside; the checkpoints removed
@@ -302,8 +322,9 @@ class Directory:
         if wait:
             _rmtree(root_fd, name)
             return removed
-        thread = threading.Thread(target=_rmtree, args=(root_fd, name), name="kvdisk-rm",
-                                  daemon=True)
+        thread = threading.Thread(
+            target=_rmtree, args=(root_fd, name), name="kvdisk-rm", daemon=True
+        )
         thread.start()
         with self._mutex:
             self.removing = [t for t in self.removing if t.is_alive()] + [thread]

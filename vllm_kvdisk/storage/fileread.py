@@ -15,19 +15,39 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import xxhash
 
-from vllm_kvdisk.core.format import (CHECKSUM, FLAG_DELTA, GROUP, GROUP_COUNT_AT, MAX_GROUPS,
-                                     FLAG_TOOL_MAP, HEADER, MAX_LAYERS, MAX_TEXT_BYTES, PAGE_ALIGN,
-                                     PAYLOAD_FIXED, PAYLOAD_MAGIC, PAYLOAD_VERSION, TEXT_LEN,
-                                     FormatError, Header, Offsets, Payload, Summary,
-                                     UnsupportedFile, compute_offsets, unpack_groups,
-                                     unpack_payload_fixed)
-from vllm_kvdisk.core.toolmap import MAX_KTM_BYTES, decode_tool_map
+from vllm_kvdisk.core.format import (
+    CHECKSUM,
+    FLAG_DELTA,
+    FLAG_TOOL_MAP,
+    GROUP,
+    GROUP_COUNT_AT,
+    HEADER,
+    MAX_GROUPS,
+    MAX_LAYERS,
+    MAX_TEXT_BYTES,
+    PAGE_ALIGN,
+    PAYLOAD_FIXED,
+    PAYLOAD_MAGIC,
+    PAYLOAD_VERSION,
+    TEXT_LEN,
+    FormatError,
+    Header,
+    Offsets,
+    Payload,
+    Summary,
+    UnsupportedFile,
+    compute_offsets,
+    unpack_groups,
+    unpack_payload_fixed,
+)
 from vllm_kvdisk.core.logs import get_logger
+from vllm_kvdisk.core.toolmap import MAX_KTM_BYTES, decode_tool_map
 from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage.fsdir import IOV_MAX
 
@@ -77,7 +97,7 @@ def _read_opening(fd: int, file_size: int) -> tuple[Header, int, bytes]:
 def _read_span(fd: int, first: bytes, offset: int, size: int) -> bytes:
     """``size`` bytes at ``offset``, from the first page when they lie inside it."""
     if offset + size <= len(first):
-        return first[offset:offset + size]
+        return first[offset : offset + size]
     return _pread_exact(fd, size, offset)
 
 
@@ -95,11 +115,14 @@ def read_summary(fd: int, file_size: int) -> Summary:
         # The payload header and the checksum table follow each other: one read of that
         # span (bounded by MAX_LAYERS) holds what the first page did not. Not the token
         # ids: only the first owned block's are needed (512 KiB for 131k tokens, 64 B).
-        span = min(header.payload_bytes, PAYLOAD_FIXED.size + GROUP.size * MAX_GROUPS
-                   + CHECKSUM.size * (MAX_LAYERS + 1))
+        span = min(
+            header.payload_bytes,
+            PAYLOAD_FIXED.size + GROUP.size * MAX_GROUPS + CHECKSUM.size * (MAX_LAYERS + 1),
+        )
         buf, base = _pread_exact(fd, span, payload_at), payload_at
     magic, version, fixed_len, _, parent, parent_tokens, block_size = _SUMMARY.unpack_from(
-        buf, payload_at - base)
+        buf, payload_at - base
+    )
     if magic != PAYLOAD_MAGIC:
         raise FormatError(f"bad payload magic {magic!r}")
     if version != PAYLOAD_VERSION or fixed_len != PAYLOAD_FIXED.size:
@@ -107,11 +130,16 @@ def read_summary(fd: int, file_size: int) -> Summary:
     (layers,) = _U32.unpack_from(buf, payload_at - base + _LAYERS_AT)
     (groups,) = _U16.unpack_from(buf, payload_at - base + GROUP_COUNT_AT)
     has_parent = parent != _NO_PARENT
-    if (has_parent != bool(header.flags & FLAG_DELTA) or parent_tokens >= header.tokens
-            or has_parent != (parent_tokens > 0) or not 1 <= layers <= MAX_LAYERS
-            or not 1 <= groups <= MAX_GROUPS
-            or not 1 <= block_size <= header.tokens or parent_tokens % block_size
-            or header.tokens % block_size):
+    if (
+        has_parent != bool(header.flags & FLAG_DELTA)
+        or parent_tokens >= header.tokens
+        or has_parent != (parent_tokens > 0)
+        or not 1 <= layers <= MAX_LAYERS
+        or not 1 <= groups <= MAX_GROUPS
+        or not 1 <= block_size <= header.tokens
+        or parent_tokens % block_size
+        or header.tokens % block_size
+    ):
         raise FormatError("parent, block or layer fields inconsistent")
     (digest,) = _U64.unpack_from(buf, payload_at - base + _DIGEST_AT)
     ids_at = payload_at + PAYLOAD_FIXED.size + GROUP.size * groups + CHECKSUM.size * (layers + 1)
@@ -121,9 +149,10 @@ def read_summary(fd: int, file_size: int) -> Summary:
     if head_at < 0 or head_at + 4 * block_size > len(buf):
         buf = _pread_exact(fd, 4 * block_size, ids_at + 4 * parent_tokens)
         head_at = 0
-    head = xxhash.xxh3_64_intdigest(buf[head_at:head_at + 4 * block_size])
-    return Summary(header, parent.hex() if has_parent else None, parent_tokens, digest,
-                   head, ids_at)
+    head = xxhash.xxh3_64_intdigest(buf[head_at : head_at + 4 * block_size])
+    return Summary(
+        header, parent.hex() if has_parent else None, parent_tokens, digest, head, ids_at
+    )
 
 
 def read_meta(fd: int, file_size: int) -> Meta:
@@ -139,19 +168,27 @@ def read_meta(fd: int, file_size: int) -> Meta:
     count = payload.layout.num_layers + 1
     sums_raw = _read_span(fd, first, fixed_end + groups_len, CHECKSUM.size * count)
     payload = replace(payload, checksums=struct.unpack(f"<{count}Q", sums_raw))
-    offsets = compute_offsets(text_len, header.tokens, payload.layout, payload.layer_blocks(),
-                              0, len(payload.groups))
+    offsets = compute_offsets(
+        text_len, header.tokens, payload.layout, payload.layer_blocks(), 0, len(payload.groups)
+    )
     if offsets.ktm - offsets.payload != header.payload_bytes:
-        raise FormatError(f"payload bytes {header.payload_bytes} != layout's "
-                          f"{offsets.ktm - offsets.payload}")
+        raise FormatError(
+            f"payload bytes {header.payload_bytes} != layout's {offsets.ktm - offsets.payload}"
+        )
     ktm_len = file_size - offsets.ktm
     if bool(header.flags & FLAG_TOOL_MAP) != (ktm_len > 0) or ktm_len < 0:
         raise FormatError(f"file size {file_size} does not match its sections")
     if ktm_len > MAX_KTM_BYTES:
         raise FormatError(f"tool map of {ktm_len} bytes > {MAX_KTM_BYTES}")
     if ktm_len:
-        offsets = compute_offsets(text_len, header.tokens, payload.layout,
-                                  payload.layer_blocks(), ktm_len, len(payload.groups))
+        offsets = compute_offsets(
+            text_len,
+            header.tokens,
+            payload.layout,
+            payload.layer_blocks(),
+            ktm_len,
+            len(payload.groups),
+        )
     return Meta(header, payload, offsets, text_len)
 
 
@@ -167,12 +204,13 @@ CHECK_CHUNK = 16 << 20
 HOT_BYTES = 1 << 20  # read, then hashed while still in the CPU's caches
 
 
-def _stream(fd: int, offset: int, size: int, update: Callable[[memoryview], None],
-            buf: bytearray) -> None:
+def _stream(
+    fd: int, offset: int, size: int, update: Callable[[memoryview], None], buf: bytearray
+) -> None:
     """Feed ``size`` bytes at ``offset`` to ``update`` through ``buf``, chunk by chunk."""
     view = memoryview(buf)
     while size > 0:
-        got = os.preadv(fd, [view[:min(size, len(buf))]], offset)
+        got = os.preadv(fd, [view[: min(size, len(buf))]], offset)
         if got <= 0:
             raise FormatError(f"truncated file: {size} bytes missing at {offset}")
         update(view[:got])
@@ -183,8 +221,13 @@ def _stream(fd: int, offset: int, size: int, update: Callable[[memoryview], None
 def text_sha1(fd: int, meta: Meta, chunk: int = CHECK_CHUNK) -> str:
     """Hex SHA1 of the text (what the file's name must be), in bounded memory."""
     hasher = hashlib.sha1()
-    _stream(fd, meta.offsets.text, meta.text_len, hasher.update,
-            bytearray(max(1, min(chunk, meta.text_len))))
+    _stream(
+        fd,
+        meta.offsets.text,
+        meta.text_len,
+        hasher.update,
+        bytearray(max(1, min(chunk, meta.text_len))),
+    )
     return hasher.hexdigest()
 
 
@@ -210,17 +253,16 @@ def read_tokens(fd: int, meta: Meta) -> bytes:
     """Token ids (u32 LE) after checking the head+tokens checksum."""
     head_at = meta.offsets.payload
     raw = _pread_exact(fd, meta.offsets.tokens - head_at + 4 * meta.header.tokens, head_at)
-    fixed = raw[:PAYLOAD_FIXED.size + GROUP.size * len(meta.payload.groups)]
-    tokens = raw[meta.offsets.tokens - head_at:]
+    fixed = raw[: PAYLOAD_FIXED.size + GROUP.size * len(meta.payload.groups)]
+    tokens = raw[meta.offsets.tokens - head_at :]
     if xxhash.xxh3_64_intdigest(fixed + tokens) != meta.payload.checksums[0]:
         raise FormatError("checksum mismatch in payload header or token ids")
     return tokens
 
 
-
-
-def read_layers_into(fd: int, meta: Meta, first: int,
-                     outs: Sequence[memoryview | Sequence[memoryview]]) -> None:
+def read_layers_into(
+    fd: int, meta: Meta, first: int, outs: Sequence[memoryview | Sequence[memoryview]]
+) -> None:
     """Read layers ``first, first+1, ...`` (one per item of ``outs``) and verify each
     layer's checksum.
 
@@ -245,8 +287,7 @@ def read_layers_into(fd: int, meta: Meta, first: int,
             raise FormatError(f"checksum mismatch in layer {first + i}")
 
 
-def _read_hashed(fd: int, views: Sequence[memoryview], at: int, hasher: Any,
-                 what: str) -> None:
+def _read_hashed(fd: int, views: Sequence[memoryview], at: int, hasher: Any, what: str) -> None:
     """Fill ``views`` from offset ``at`` on and feed them to ``hasher``, ``HOT_BYTES`` at
     a time: each piece is hashed right after its read, while it is still in the CPU's
     caches. A whole layer read, then hashed from memory, cost 1.33x a plain read of it;
@@ -280,7 +321,7 @@ def _preadv_exact(fd: int, views: Sequence[memoryview], at: int, what: str) -> N
     pending = [v for v in views if v.nbytes]
     head = 0  # pending[head:] is still to read
     while head < len(pending):
-        got = os.preadv(fd, pending[head:head + IOV_MAX], at)
+        got = os.preadv(fd, pending[head : head + IOV_MAX], at)
         if got <= 0:
             raise FormatError(f"truncated file in {what}")
         at += got
@@ -291,9 +332,13 @@ def _preadv_exact(fd: int, views: Sequence[memoryview], at: int, what: str) -> N
             pending[head] = pending[head][got:]
 
 
-def read_layer_parts(fd: int, meta: Meta, layer: int,
-                     parts: Sequence[tuple[int, Sequence[memoryview] | None]],
-                     scratch: memoryview) -> None:
+def read_layer_parts(
+    fd: int,
+    meta: Meta,
+    layer: int,
+    parts: Sequence[tuple[int, Sequence[memoryview] | None]],
+    scratch: memoryview,
+) -> None:
     """Read one layer in file order and verify its checksum, keeping only some of it.
 
     ``parts``: ``(nbytes, views)`` in file order, adding up to the layer's bytes; ``views`` None
@@ -312,7 +357,7 @@ def read_layer_parts(fd: int, meta: Meta, layer: int,
                 raise ValueError("no scratch to read skipped pages through")
             left = nbytes
             while left:
-                piece = scratch[:min(left, scratch.nbytes)]
+                piece = scratch[: min(left, scratch.nbytes)]
                 _read_hashed(fd, [piece], at, hasher, f"layer {layer}")
                 at += piece.nbytes
                 left -= piece.nbytes
@@ -325,7 +370,9 @@ def read_layer_parts(fd: int, meta: Meta, layer: int,
         raise FormatError(f"checksum mismatch in layer {layer}")
 
 
-def read_layer_into(fd: int, meta: Meta, layer: int, out: memoryview | Sequence[memoryview]) -> None:
+def read_layer_into(
+    fd: int, meta: Meta, layer: int, out: memoryview | Sequence[memoryview]
+) -> None:
     """Read one layer's pages into ``out`` and verify its checksum (see read_layers_into)."""
     read_layers_into(fd, meta, layer, [out])
 

@@ -33,7 +33,8 @@ import os
 import secrets
 import stat
 import time
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 TMP_PREFIX = ".tmp-"
@@ -52,13 +53,23 @@ class NotRegularFile(OSError):
         self.inode = inode
 
 
-_KIND_NAMES = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-               (stat.S_ISDIR, "a directory"))
+_KIND_NAMES = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISDIR, "a directory"),
+)
 
 
-def open_regular(name: str, dir_fd: int | None = None, *, flags: int = os.O_RDONLY,
-                 mode: int = 0o600, single_link: bool = False) -> int:
+def open_regular(
+    name: str,
+    dir_fd: int | None = None,
+    *,
+    flags: int = os.O_RDONLY,
+    mode: int = 0o600,
+    single_link: bool = False,
+) -> int:
     """Open ``name`` (in ``dir_fd``) only if it is a regular file, never through a symlink,
     never blocking on the open: a FIFO opened for reading without ``O_NONBLOCK`` waits for
     a writer forever (a scan under the cache lock would hold the lock forever). ``O_NOCTTY``:
@@ -69,19 +80,21 @@ def open_regular(name: str, dir_fd: int | None = None, *, flags: int = os.O_RDON
         fd = os.open(name, flags | os.O_NONBLOCK | os.O_NOCTTY | NOFOLLOW, mode, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ENXIO:  # a socket, a device without its driver, a FIFO to write
-            raise NotRegularFile(errno.ENXIO, f"{name} is not a regular file "
-                                 "(a socket, a FIFO or a device)") from None
+            raise NotRegularFile(
+                errno.ENXIO, f"{name} is not a regular file (a socket, a FIFO or a device)"
+            ) from None
         raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            kind = next((what for test, what in _KIND_NAMES if test(st.st_mode)),
-                        "not a file")
-            raise NotRegularFile(errno.EINVAL, f"{name} is not a regular file ({kind})",
-                                 st.st_ino)
+            kind = next((what for test, what in _KIND_NAMES if test(st.st_mode)), "not a file")
+            raise NotRegularFile(errno.EINVAL, f"{name} is not a regular file ({kind})", st.st_ino)
         if single_link and st.st_nlink > 1:
-            raise NotRegularFile(errno.EMLINK, f"{name} has {st.st_nlink} hard links: "
-                                 "never written in place", st.st_ino)
+            raise NotRegularFile(
+                errno.EMLINK,
+                f"{name} has {st.st_nlink} hard links: never written in place",
+                st.st_ino,
+            )
         os.set_blocking(fd, True)
         return fd
     except BaseException:
@@ -105,15 +118,24 @@ def check_root(path: str, *, allow_shared: bool) -> None:
     if allow_shared:
         return
     if st.st_uid != os.geteuid():
-        raise UnsafeDirectory(errno.EPERM, (
-            f"{path} is owned by uid {st.st_uid}, not by this process (uid {os.geteuid()}): "
-            "another user could plant or change checkpoints. Use a directory of your own, "
-            "or allow it explicitly (kv_disk_allow_shared_dir)"))
+        raise UnsafeDirectory(
+            errno.EPERM,
+            (
+                f"{path} is owned by uid {st.st_uid}, not by this process (uid {os.geteuid()}): "
+                "another user could plant or change checkpoints. Use a directory of your own, "
+                "or allow it explicitly (kv_disk_allow_shared_dir)"
+            ),
+        )
     if st.st_mode & 0o022:
-        raise UnsafeDirectory(errno.EPERM, (
-            f"{path} is writable by its group or by everyone (mode {stat.S_IMODE(st.st_mode):o}): "
-            "another user could plant or change checkpoints. chmod go-w it, use a private "
-            "subdirectory, or allow it explicitly (kv_disk_allow_shared_dir)"))
+        raise UnsafeDirectory(
+            errno.EPERM,
+            (
+                f"{path} is writable by its group or by everyone "
+                f"(mode {stat.S_IMODE(st.st_mode):o}): "
+                "another user could plant or change checkpoints. chmod go-w it, use a private "
+                "subdirectory, or allow it explicitly (kv_disk_allow_shared_dir)"
+            ),
+        )
 
 
 def open_dir(name: str, dir_fd: int | None = None) -> int:
@@ -146,7 +168,7 @@ def writev_all(fd: int, buffers: Sequence) -> int:
     views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
     head = 0
     while head < len(views):
-        n = os.writev(fd, views[head:head + IOV_MAX])
+        n = os.writev(fd, views[head : head + IOV_MAX])
         total += n
         while head < len(views) and n >= views[head].nbytes:
             n -= views[head].nbytes
@@ -165,8 +187,9 @@ class TempFile:
         self.dir_fd = dir_fd
         self.final = final
         self.name = f"{TMP_PREFIX}{final}-{os.getpid()}-{secrets.token_hex(6)}"
-        self.fd = os.open(self.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600,
-                          dir_fd=dir_fd)
+        self.fd = os.open(
+            self.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600, dir_fd=dir_fd
+        )
         self.committed = False
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -236,8 +259,9 @@ def writer_gone(dir_fd: int, name: str, now: float | None = None) -> bool:
 
 
 @contextlib.contextmanager
-def locked(dir_fd: int, timeout_s: float, name: str = ".lock", *,
-           drop_cache: bool = True) -> Iterator[int]:
+def locked(
+    dir_fd: int, timeout_s: float, name: str = ".lock", *, drop_cache: bool = True
+) -> Iterator[int]:
     """Hold the exclusive cross-process lock file ``name`` of ``dir_fd``, waiting at most
     ``timeout_s``; LockTimeout otherwise. Each call opens its own descriptor, so threads
     of one process exclude each other too. Yields that descriptor: the lock file's bytes
@@ -253,8 +277,9 @@ def locked(dir_fd: int, timeout_s: float, name: str = ".lock", *,
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    raise LockTimeout(errno.ETIMEDOUT,
-                                      f"cache lock not taken within {timeout_s:g} s") from None
+                    raise LockTimeout(
+                        errno.ETIMEDOUT, f"cache lock not taken within {timeout_s:g} s"
+                    ) from None
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
         # The holder reads what the last holder wrote (the change count). A network file
@@ -271,17 +296,50 @@ def locked(dir_fd: int, timeout_s: float, name: str = ".lock", *,
 # Local file systems: one page cache per file on the host, coherent with every write. On
 # anything else (NFS, CephFS, FUSE mounts such as GlusterFS, an unknown type) a client may
 # read pages it cached before another client wrote.
-LOCAL_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "ramfs", "overlay",
-                      "zfs", "f2fs", "bcachefs", "jfs", "reiserfs", "nilfs2"})
+LOCAL_FS = frozenset(
+    {
+        "ext2",
+        "ext3",
+        "ext4",
+        "xfs",
+        "btrfs",
+        "tmpfs",
+        "ramfs",
+        "overlay",
+        "zfs",
+        "f2fs",
+        "bcachefs",
+        "jfs",
+        "reiserfs",
+        "nilfs2",
+    }
+)
 
 
 # statfs(2) magic numbers of the types above and of the network ones (linux/magic.h).
-FS_MAGIC = {0xEF53: "ext4", 0x58465342: "xfs", 0x9123683E: "btrfs", 0x01021994: "tmpfs",
-            0x858458F6: "ramfs", 0x794C7630: "overlay", 0x2FC12FC1: "zfs", 0xF2F52010: "f2fs",
-            0xCA451A4E: "bcachefs", 0x3153464A: "jfs", 0x52654973: "reiserfs",
-            0x3434: "nilfs2", 0x6969: "nfs", 0x65735546: "fuse", 0x00C36400: "ceph",
-            0xFF534D42: "cifs", 0xFE534D42: "smb2", 0x01021997: "v9fs", 0x0BD00BD0: "lustre",
-            0x01161970: "gfs2", 0x7461636F: "ocfs2"}
+FS_MAGIC = {
+    0xEF53: "ext4",
+    0x58465342: "xfs",
+    0x9123683E: "btrfs",
+    0x01021994: "tmpfs",
+    0x858458F6: "ramfs",
+    0x794C7630: "overlay",
+    0x2FC12FC1: "zfs",
+    0xF2F52010: "f2fs",
+    0xCA451A4E: "bcachefs",
+    0x3153464A: "jfs",
+    0x52654973: "reiserfs",
+    0x3434: "nilfs2",
+    0x6969: "nfs",
+    0x65735546: "fuse",
+    0x00C36400: "ceph",
+    0xFF534D42: "cifs",
+    0xFE534D42: "smb2",
+    0x01021997: "v9fs",
+    0x0BD00BD0: "lustre",
+    0x01161970: "gfs2",
+    0x7461636F: "ocfs2",
+}
 
 
 def _statfs_type(fd: int) -> str | None:

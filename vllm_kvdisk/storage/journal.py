@@ -31,10 +31,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
-from vllm_kvdisk.core.changes import (FIELDS, Change, JournalError, Loaded, change_line,
-                                      count_of, entry_row, parse_change, row_entry)
+from vllm_kvdisk.core.changes import (
+    FIELDS,
+    Change,
+    JournalError,
+    Loaded,
+    change_line,
+    count_of,
+    entry_row,
+    parse_change,
+    row_entry,
+)
 from vllm_kvdisk.core.entry import Entry
 from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.storage import fsdir
@@ -70,8 +79,7 @@ class Journal:
     # -- reading ----------------------------------------------------------------------
     def _open(self, flags: int = os.O_RDONLY) -> int:
         # Written in place only if no other name links to it (someone else's file).
-        return fsdir.open_regular(NAME, self.root_fd, flags=flags,
-                                  single_link=flags != os.O_RDONLY)
+        return fsdir.open_regular(NAME, self.root_fd, flags=flags, single_link=flags != os.O_RDONLY)
 
     def _open_or_none(self, flags: int, doing: str) -> int | None:
         """The journal's descriptor; None if there is none, or it cannot be opened (logged)."""
@@ -135,17 +143,18 @@ class Journal:
             if data.count(b"\n") > want + 1 + 8 * max(4096, want):
                 raise JournalError("more change lines than any writer leaves")
             lines, used = _lines(data)
-            if len(lines) < want + 1 or sum(len(x) + 1 for x in lines[:want + 1]) != int(
-                    header["changes_at"]):
+            if len(lines) < want + 1 or sum(len(x) + 1 for x in lines[: want + 1]) != int(
+                header["changes_at"]
+            ):
                 raise JournalError("snapshot shorter than its header says")
             try:  # one parse of every row (a call per row cost more than the rows)
-                rows = json.loads(b"[" + b",".join(lines[1:want + 1]) + b"]")
+                rows = json.loads(b"[" + b",".join(lines[1 : want + 1]) + b"]")
             except ValueError:
                 raise JournalError("an entry line is not JSON") from None
             if len(rows) != want:  # a line holding two rows
                 raise JournalError("entry lines do not match the header")
             entries = [row_entry(row) for row in rows]
-            changes = [parse_change(line) for line in lines[want + 1:]]
+            changes = [parse_change(line) for line in lines[want + 1 :]]
             self._at = (os.fstat(fd).st_ino, used)
             self.lines = len(changes)
             return Loaded(int(header["count"]), entries, changes)
@@ -203,8 +212,11 @@ class Journal:
     def _ends(self, fd: int) -> tuple[int, int]:
         """(the offset after the last complete line, the offset of the first zero byte:
         where the next line goes). They differ after a writer was killed mid-line."""
-        start = self._at[1] if self._at is not None and self._at[0] == os.fstat(
-            fd).st_ino and self._at[1] >= 0 else 0
+        start = (
+            self._at[1]
+            if self._at is not None and self._at[0] == os.fstat(fd).st_ino and self._at[1] >= 0
+            else 0
+        )
         data = self._read_all(fd, start)
         return start + data.rfind(b"\n") + 1, start + len(data)
 
@@ -257,13 +269,21 @@ class Journal:
         index, whole at the lock's count), atomically; this store has read it all."""
         if self.readonly:
             return False
-        rows = [json.dumps(entry_row(e), separators=(",", ":")).encode() + b"\n"
-                for e in entries if not e.pending]
+        rows = [
+            json.dumps(entry_row(e), separators=(",", ":")).encode() + b"\n"
+            for e in entries
+            if not e.pending
+        ]
         body = b"".join(rows)
         header = b""
         for _ in range(3):  # the offset is written in the header that precedes it
-            obj = {"kvdisk_journal": VERSION, "fields": list(FIELDS), "count": count,
-                   "entries": len(rows), "changes_at": len(header) + len(body)}
+            obj = {
+                "kvdisk_journal": VERSION,
+                "fields": list(FIELDS),
+                "count": count,
+                "entries": len(rows),
+                "changes_at": len(header) + len(body),
+            }
             header = json.dumps(obj, separators=(",", ":")).encode() + b"\n"
         size = len(header) + len(body)
         try:

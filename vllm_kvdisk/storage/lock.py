@@ -23,7 +23,8 @@ import contextlib
 import os
 import secrets
 import threading
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.storage import fsdir
@@ -55,9 +56,11 @@ class DirLock:
             finally:
                 self._held.depth = depth
             return
-        with fsdir.locked(self.directory.fd,
-                          self.timeout_s if timeout_s is None else timeout_s,
-                          drop_cache=self.directory.drops_cache) as fd:
+        with fsdir.locked(
+            self.directory.fd,
+            self.timeout_s if timeout_s is None else timeout_s,
+            drop_cache=self.directory.drops_cache,
+        ) as fd:
             self._held.depth, self._held.fd = 1, fd
             try:
                 yield
@@ -98,8 +101,7 @@ class DirLock:
         except OSError as exc:
             # A count that did not move would hide the change: make it unknown, so every
             # store lists again until a later change writes it (truncating needs no space).
-            log.warning("kvdisk: cannot count a change in %s/.lock: %s",
-                        self.directory.root, exc)
+            log.warning("kvdisk: cannot count a change in %s/.lock: %s", self.directory.root, exc)
             with contextlib.suppress(OSError):
                 os.ftruncate(self._held.fd, 0)
             return None

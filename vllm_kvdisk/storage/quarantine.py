@@ -13,10 +13,10 @@ import contextlib
 import errno
 import os
 import stat
-from typing import Callable
+from collections.abc import Callable
 
-from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.core.logs import get_logger
+from vllm_kvdisk.storage import fsdir
 
 log = get_logger(__name__)
 
@@ -30,8 +30,9 @@ class Quarantine:
         self.max_bytes = max_bytes
         self.clock = clock
 
-    def move(self, dir_fd: int, ns: str, sha1: str, why: str, inode: int | None,
-             dev: int | None = None) -> bool:
+    def move(
+        self, dir_fd: int, ns: str, sha1: str, why: str, inode: int | None, dev: int | None = None
+    ) -> bool:
         """Move ``<sha1>.kv`` out of ``dir_fd``; True if it was moved. Only a regular file,
         and only if it is still ``inode`` on ``dev``, when given. The caller holds the
         directory lock (writers rename under it, so the name cannot change between this
@@ -64,8 +65,12 @@ class Quarantine:
                     os.unlink(name, dir_fd=dir_fd)
                 return False
             with contextlib.suppress(OSError):
-                fd = os.open(dest + ".why", os.O_WRONLY | os.O_CREAT | os.O_EXCL | fsdir.NOFOLLOW,
-                             0o600, dir_fd=qfd)
+                fd = os.open(
+                    dest + ".why",
+                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | fsdir.NOFOLLOW,
+                    0o600,
+                    dir_fd=qfd,
+                )
                 with os.fdopen(fd, "w") as fh:
                     fh.write(why[:4096] + "\n")
             self._trim(qfd)
@@ -99,7 +104,10 @@ class Quarantine:
             return []
         try:
             with os.scandir(fd) as it:
-                return sorted(de.name for de in it
-                              if de.name.endswith(".kv") and de.is_file(follow_symlinks=False))
+                return sorted(
+                    de.name
+                    for de in it
+                    if de.name.endswith(".kv") and de.is_file(follow_symlinks=False)
+                )
         finally:
             os.close(fd)

@@ -31,17 +31,18 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
-from vllm_kvdisk.core.format import FormatError, UnsupportedFile
+from vllm_kvdisk.core.changes import Change, bulk, replay
 from vllm_kvdisk.core.entry import Entry, entry_of
+from vllm_kvdisk.core.format import FormatError, UnsupportedFile
 from vllm_kvdisk.core.index import Index
 from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage.directory import KV_NAME, Directory
 from vllm_kvdisk.storage.fileread import read_indexable
-from vllm_kvdisk.core.changes import Change, bulk, replay
 from vllm_kvdisk.storage.journal import Journal
 
 if TYPE_CHECKING:
@@ -62,9 +63,17 @@ class _View:
 
 
 class Scanner:
-    def __init__(self, directory: Directory, lock: DirLock, index: Index, stats: StoreStats,
-                 *, mutex: threading.RLock, clock: Callable[[], float],
-                 quarantine: Callable[..., bool | None]):
+    def __init__(
+        self,
+        directory: Directory,
+        lock: DirLock,
+        index: Index,
+        stats: StoreStats,
+        *,
+        mutex: threading.RLock,
+        clock: Callable[[], float],
+        quarantine: Callable[..., bool | None],
+    ):
         self.directory, self.lock, self.index = directory, lock, index
         self.stats, self.clock = stats, clock
         # Files this store refused, with why: another version's, not regular, corrupt.
@@ -78,8 +87,9 @@ class Scanner:
         # names_changed; -1: whole, while the count was unknown; None: not known whole).
         self._whole_at: int | None = None
         self._gaps = 0  # how often the view stopped being whole (a listing checks it)
-        self.journal = Journal(directory.fd, readonly=directory.readonly,
-                               drop_cache=directory.drops_cache)
+        self.journal = Journal(
+            directory.fd, readonly=directory.readonly, drop_cache=directory.drops_cache
+        )
 
     # -- scanning ---------------------------------------------------------------------
     def scan(self) -> None:
@@ -153,8 +163,7 @@ class Scanner:
                 return self._refresh(ns, force)
             except OSError as exc:
                 self._lost()
-                log.warning("kvdisk: could not refresh %s/%s: %s", self.directory.root, ns,
-                            exc)
+                log.warning("kvdisk: could not refresh %s/%s: %s", self.directory.root, ns, exc)
                 return False
 
     def refresh_all(self, force: bool = False) -> None:
@@ -168,17 +177,16 @@ class Scanner:
                 self._refresh(ns, force)
             except OSError as exc:
                 self._lost()
-                log.warning("kvdisk: could not refresh %s/%s: %s", self.directory.root, ns,
-                            exc)
+                log.warning("kvdisk: could not refresh %s/%s: %s", self.directory.root, ns, exc)
 
     # -- the view under the lock ------------------------------------------------------
     def catch_up(self) -> None:
         """Under the lock and the mutex: make the index whole, unless the lock's change
         count is where this view was last whole (then no name changed since)."""
         count = self.lock.count()
-        if count is not None and count != self._whole_at and self._follow():
-            if self._whole_at == count:
-                return  # the journal said what changed: nothing listed
+        followed = count is not None and count != self._whole_at and self._follow()
+        if followed and self._whole_at == count:
+            return  # the journal said what changed: nothing listed
         if count is None or count != self._whole_at:
             # Whole at this count (-1: whole, count unknown) once the listing is done,
             # unless it found a file it cannot read. Not before: a quarantine during the
@@ -209,10 +217,14 @@ class Scanner:
     def journaled(self) -> bool:  # refreshes read the journal's lines, not listings
         return self._whole_at is not None and self._whole_at >= 0
 
-    def names_changed(self, *, add: Iterable[Entry] = (),
-                      remove: Iterable[tuple[str, str, int | None]] = (),
-                      gone: Iterable[str] = (),
-                      counted: tuple[int | None, int] | None | bool = True) -> None:
+    def names_changed(
+        self,
+        *,
+        add: Iterable[Entry] = (),
+        remove: Iterable[tuple[str, str, int | None]] = (),
+        gone: Iterable[str] = (),
+        counted: tuple[int | None, int] | None | bool = True,
+    ) -> None:
         """Under the lock, after this store renamed or deleted checkpoint names and told
         its own index: count the change and journal what it was, for the other stores;
         this view stays whole if it was. The journal is rewritten when its change lines
@@ -224,11 +236,11 @@ class Scanner:
             self._lost()  # unknown to every store: each lists at every save
             return
         before, after = counted
-        whole = self._whole_at is not None and self._whole_at == (-1 if before is None
-                                                                   else before)
+        whole = self._whole_at is not None and self._whole_at == (-1 if before is None else before)
         self._whole_at = after if whole else None
         appended = before is not None and self.journal.append(
-            Change(before, after, list(add), list(remove), list(gone)))
+            Change(before, after, list(add), list(remove), list(gone))
+        )
         if whole and (not appended or self.journal.lines > max(COMPACT_LINES, len(self.index))):
             self.journal.compact(after, self.index.entries())
 
@@ -263,11 +275,15 @@ class Scanner:
             # Deleted or replaced by another process; when forced (every eviction decision
             # and verify), also replaced on this file's freed inode, or its header changed
             # in place (hits): a stat per file, 4 us each, so not at every lookup's refresh.
-            if listed.get(entry.sha1) != entry.inode or (force and not fsdir.same_file(
-                    state.fd, f"{entry.sha1}.kv", entry)):
+            if listed.get(entry.sha1) != entry.inode or (
+                force and not fsdir.same_file(state.fd, f"{entry.sha1}.kv", entry)
+            ):
                 self.index.remove(ns, entry.sha1)
-        todo = [sha1 for sha1, inode in listed.items() if (ns, sha1) not in self.index
-                and view.skipped.get(sha1, (None,))[0] != inode]
+        todo = [
+            sha1
+            for sha1, inode in listed.items()
+            if (ns, sha1) not in self.index and view.skipped.get(sha1, (None,))[0] != inode
+        ]
         complete = True
         for sha1, found in self._read_files(state.fd, todo):
             complete &= self._index_file(ns, view, sha1, found)
@@ -289,10 +305,13 @@ class Scanner:
                 if KV_NAME.match(de.name):
                     if de.is_file(follow_symlinks=False):
                         listed[de.name[:40]] = de.inode()
-                elif de.name.startswith(fsdir.TMP_PREFIX) and not self.directory.readonly:
-                    if fsdir.writer_gone(dir_fd, de.name, now):
-                        with contextlib.suppress(OSError):
-                            os.unlink(de.name, dir_fd=dir_fd)
+                elif (
+                    de.name.startswith(fsdir.TMP_PREFIX)
+                    and not self.directory.readonly
+                    and fsdir.writer_gone(dir_fd, de.name, now)
+                ):
+                    with contextlib.suppress(OSError):
+                        os.unlink(de.name, dir_fd=dir_fd)
         return listed
 
     def reconcile(self) -> None:
@@ -322,15 +341,22 @@ class Scanner:
         except OSError as exc:
             log.warning("kvdisk: could not list %s: %s", self.directory.root, exc)
 
-    def _settle(self, ns: str, dir_fd: int, known: dict[str, Entry],
-                listed: dict[str, int]) -> None:
+    def _settle(
+        self, ns: str, dir_fd: int, known: dict[str, Entry], listed: dict[str, int]
+    ) -> None:
         for sha1, entry in known.items():
-            if (sha1 not in listed and self.index.get(ns, sha1) is entry
-                    and not fsdir.same_file(dir_fd, f"{sha1}.kv", entry)):
+            if (
+                sha1 not in listed
+                and self.index.get(ns, sha1) is entry
+                and not fsdir.same_file(dir_fd, f"{sha1}.kv", entry)
+            ):
                 self.index.remove(ns, sha1)
         view = self._views.setdefault(ns, _View())
-        todo = [sha1 for sha1, inode in listed.items() if (ns, sha1) not in self.index
-                and view.skipped.get(sha1, (None,))[0] != inode]
+        todo = [
+            sha1
+            for sha1, inode in listed.items()
+            if (ns, sha1) not in self.index and view.skipped.get(sha1, (None,))[0] != inode
+        ]
         for sha1, found in self._read_files(dir_fd, todo):
             if not self._index_file(ns, view, sha1, found):
                 self._lost()
@@ -371,8 +397,13 @@ class Scanner:
                 now = time.monotonic()
                 if now - last >= 10:
                     last = now
-                    log.info("kvdisk: indexing %s: %d of %d files in %.0f s",
-                             self.directory.root, done, len(names), now - started)
+                    log.info(
+                        "kvdisk: indexing %s: %d of %d files in %.0f s",
+                        self.directory.root,
+                        done,
+                        len(names),
+                        now - started,
+                    )
 
     def _index_file(self, ns: str, view: _View, sha1: str, found: Any) -> bool:
         """Index what ``_read_one`` found; False if the file should be tried again later."""
@@ -384,8 +415,16 @@ class Scanner:
             return True
         if isinstance(found, FormatError):
             # None: the lock was busy; the directory stays "changed" and it is tried again.
-            return self._quarantine(ns, sha1, str(found), inode=getattr(found, "inode", None),
-                                    dev=getattr(found, "dev", None)) is not None
+            return (
+                self._quarantine(
+                    ns,
+                    sha1,
+                    str(found),
+                    inode=getattr(found, "inode", None),
+                    dev=getattr(found, "dev", None),
+                )
+                is not None
+            )
         if isinstance(found, OSError):
             return self._unreadable(ns, sha1, found)
         summary, size, inode, mtime_ns = found

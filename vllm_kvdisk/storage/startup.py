@@ -35,21 +35,33 @@ def start_up(scanner: Scanner, lock_timeout_s: float, *, background: bool = True
     root = scanner.directory.root
     journaled = scanner.start()
     if journaled:
-        log.info("kvdisk: %d files indexed from %s/.journal in %.2f s", len(scanner.index),
-                 root, time.monotonic() - began)
+        log.info(
+            "kvdisk: %d files indexed from %s/.journal in %.2f s",
+            len(scanner.index),
+            root,
+            time.monotonic() - began,
+        )
         if not background:
             scanner.reconcile()
     else:
         scanner.scan()
         scanner.write_snapshot(min(1.0, lock_timeout_s))
-        log.info("kvdisk: %d files indexed by a scan of %s in %.2f s", len(scanner.index),
-                 root, time.monotonic() - began)
+        log.info(
+            "kvdisk: %d files indexed by a scan of %s in %.2f s",
+            len(scanner.index),
+            root,
+            time.monotonic() - began,
+        )
     if background and not scanner.directory.readonly:
         # A weak reference: the thread must not keep a dropped store alive (nor, through
         # its callbacks, an engine's KV cache: in-process engines of a test run ran out
         # of memory that way).
-        threading.Thread(target=_reconcile_forever, args=(weakref.ref(scanner), journaled),
-                         name="kvdisk-reconcile", daemon=True).start()
+        threading.Thread(
+            target=_reconcile_forever,
+            args=(weakref.ref(scanner), journaled),
+            name="kvdisk-reconcile",
+            daemon=True,
+        ).start()
     return journaled
 
 

@@ -42,14 +42,15 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
 from vllm_kvdisk.core.config import KVDiskConfig
-from vllm_kvdisk.core.format import HEADER_FIELD_HITS, HEADER_FIELD_LAST_USED, FormatError
 from vllm_kvdisk.core.encode import Encoded
 from vllm_kvdisk.core.entry import Entry, Key
+from vllm_kvdisk.core.format import HEADER_FIELD_HITS, HEADER_FIELD_LAST_USED, FormatError
 from vllm_kvdisk.core.index import Index
 from vllm_kvdisk.core.keys import Fingerprint
 from vllm_kvdisk.core.logs import get_logger
@@ -69,42 +70,77 @@ IDS_CACHE_BYTES = 64 << 20
 
 
 class Store:
-    def __init__(self, root: str, *, space_bytes: int, min_free_bytes: int = 0,
-                 clock: Callable[[], float] = time.time,
-                 statvfs: Callable[[int], os.statvfs_result] = os.fstatvfs,
-                 on_evict: Callable[[Entry], None] | None = None, readonly: bool = False,
-                 allow_shared_dir: bool = False, lock_timeout_s: float = LOCK_TIMEOUT_S,
-                 quarantine_max_bytes: int | None = None):
+    def __init__(
+        self,
+        root: str,
+        *,
+        space_bytes: int,
+        min_free_bytes: int = 0,
+        clock: Callable[[], float] = time.time,
+        statvfs: Callable[[int], os.statvfs_result] = os.fstatvfs,
+        on_evict: Callable[[Entry], None] | None = None,
+        readonly: bool = False,
+        allow_shared_dir: bool = False,
+        lock_timeout_s: float = LOCK_TIMEOUT_S,
+        quarantine_max_bytes: int | None = None,
+    ):
         self.clock = clock
         self.index = Index()
         self.stats = StoreStats()
-        self.quarantine_max_bytes = (quarantine_max_bytes if quarantine_max_bytes is not None
-                                     else max(64 << 20, space_bytes // 16))
+        self.quarantine_max_bytes = (
+            quarantine_max_bytes
+            if quarantine_max_bytes is not None
+            else max(64 << 20, space_bytes // 16)
+        )
         # Guards the index and the descriptors: I/O threads of one process write, evict and
         # quarantine at once. Never held while waiting for the cross-process lock.
         self._mutex = threading.RLock()
         self._ids: OrderedDict[tuple[str, str, int, int], np.ndarray] = OrderedDict()
         self._ids_bytes = 0
-        self.directory = Directory(root, mutex=self._mutex, readonly=readonly,
-                                   allow_shared_dir=allow_shared_dir,
-                                   on_replaced=self._namespace_replaced)
+        self.directory = Directory(
+            root,
+            mutex=self._mutex,
+            readonly=readonly,
+            allow_shared_dir=allow_shared_dir,
+            on_replaced=self._namespace_replaced,
+        )
         self.lock = DirLock(self.directory, lock_timeout_s)
-        self.scanner = Scanner(self.directory, self.lock, self.index, self.stats,
-                               mutex=self._mutex, clock=clock, quarantine=self._quarantine)
-        self.budget = Budget(self.directory, self.lock, self.index, self.scanner, self.stats,
-                             mutex=self._mutex, space_bytes=space_bytes,
-                             min_free_bytes=min_free_bytes, clock=clock, statvfs=statvfs,
-                             on_evict=on_evict)
+        self.scanner = Scanner(
+            self.directory,
+            self.lock,
+            self.index,
+            self.stats,
+            mutex=self._mutex,
+            clock=clock,
+            quarantine=self._quarantine,
+        )
+        self.budget = Budget(
+            self.directory,
+            self.lock,
+            self.index,
+            self.scanner,
+            self.stats,
+            mutex=self._mutex,
+            space_bytes=space_bytes,
+            min_free_bytes=min_free_bytes,
+            clock=clock,
+            statvfs=statvfs,
+            on_evict=on_evict,
+        )
         self._quarantined = Quarantine(self.directory.fd, self.quarantine_max_bytes, clock)
 
     @classmethod
     def from_config(cls, config: KVDiskConfig, **kwargs: Any) -> Store:
         """The store of an engine: both connector halves build it here, so no setting of
         the config can reach one half and not the other."""
-        return cls(config.kv_disk_dir, space_bytes=config.space_bytes,
-                   min_free_bytes=config.min_free_bytes,
-                   allow_shared_dir=config.kv_disk_allow_shared_dir,
-                   lock_timeout_s=config.kv_disk_lock_timeout_s, **kwargs)
+        return cls(
+            config.kv_disk_dir,
+            space_bytes=config.space_bytes,
+            min_free_bytes=config.min_free_bytes,
+            allow_shared_dir=config.kv_disk_allow_shared_dir,
+            lock_timeout_s=config.kv_disk_lock_timeout_s,
+            **kwargs,
+        )
 
     def close(self) -> None:
         self.directory.close()
@@ -153,12 +189,12 @@ class Store:
     def refresh(self, ns: str, *, force: bool = False) -> bool:
         return self.scanner.refresh(ns, force=force)
 
-    def write(self, ns: str, sha1: str, encoded: Encoded, *,
-              protect: Iterable[Key] = ()) -> Entry:
+    def write(self, ns: str, sha1: str, encoded: Encoded, *, protect: Iterable[Key] = ()) -> Entry:
         return self.budget.write(ns, sha1, encoded, protect=protect)
 
-    def evict(self, need_bytes: int, protect: Iterable[Key] = (), *,
-              dry_run: bool = False) -> list[Entry]:
+    def evict(
+        self, need_bytes: int, protect: Iterable[Key] = (), *, dry_run: bool = False
+    ) -> list[Entry]:
         return self.budget.evict(need_bytes, protect, dry_run=dry_run)
 
     def gc_to(self, target_bytes: int, *, dry_run: bool = False) -> list[Entry]:
@@ -235,8 +271,9 @@ class Store:
                 st = os.fstat(fd)
                 if (st.st_ino, st.st_size) != (entry.inode, entry.size):
                     return None  # another file now (a freed inode is reused at once)
-                ids = np.frombuffer(read_token_range(fd, entry.ids_at, 0, entry.tokens),
-                                    dtype="<u4")
+                ids = np.frombuffer(
+                    read_token_range(fd, entry.ids_at, 0, entry.tokens), dtype="<u4"
+                )
             finally:
                 os.close(fd)
         except (OSError, FormatError):
@@ -272,8 +309,7 @@ class Store:
             st = os.fstat(fd)
             if entry is not None and (st.st_ino, st.st_size) != (entry.inode, entry.size):
                 return  # replaced by another process: its statistics are its own
-            hits = min(int.from_bytes(os.pread(fd, 4, HEADER_FIELD_HITS), "little") + 1,
-                       0xFFFFFFFF)
+            hits = min(int.from_bytes(os.pread(fd, 4, HEADER_FIELD_HITS), "little") + 1, 0xFFFFFFFF)
             os.pwrite(fd, hits.to_bytes(4, "little"), HEADER_FIELD_HITS)
             os.pwrite(fd, now.to_bytes(8, "little"), HEADER_FIELD_LAST_USED)
             # A new mtime, whatever the timestamp tick, tells other replicas' refreshes
@@ -295,8 +331,9 @@ class Store:
                     entry.mtime_ns = mtime_ns
 
     # -- quarantine -------------------------------------------------------------------
-    def quarantine(self, ns: str, sha1: str, why: str, *, inode: int | None = None,
-                   dev: int | None = None) -> bool:
+    def quarantine(
+        self, ns: str, sha1: str, why: str, *, inode: int | None = None, dev: int | None = None
+    ) -> bool:
         """Move a file proven corrupt aside (never delete evidence if it can be kept), drop
         it from the index, count it. ``inode``/``dev``: only if its name is still that file
         (``fstat`` of the descriptor the caller read, still open, so the inode cannot have
@@ -320,8 +357,16 @@ class Store:
         if entry is not None and (inode is None or entry.inode == inode):
             self.index.remove(ns, sha1)
 
-    def _quarantine(self, ns: str, sha1: str, why: str, *, inode: int | None = None,
-                    dev: int | None = None, wait: bool = False) -> bool | None:
+    def _quarantine(
+        self,
+        ns: str,
+        sha1: str,
+        why: str,
+        *,
+        inode: int | None = None,
+        dev: int | None = None,
+        wait: bool = False,
+    ) -> bool | None:
         """Under the mutex; whether the file was moved. ``wait``: the caller holds or may
         wait for the directory lock; otherwise (a scan, which must not wait for it while
         holding the mutex) the lock is tried once, and a busy lock leaves the move to a
@@ -370,8 +415,7 @@ class Store:
                     st = os.stat(name, dir_fd=state.fd, follow_symlinks=False)
                     if fsdir.identity(st) == (entry.inode, entry.size, entry.mtime_ns):
                         os.unlink(name, dir_fd=state.fd)
-                        self.scanner.names_changed(remove=[(entry.ns, entry.sha1,
-                                                            entry.inode)])
+                        self.scanner.names_changed(remove=[(entry.ns, entry.sha1, entry.inode)])
             return found
 
     def remove_file(self, ns: str, sha1: str) -> None:

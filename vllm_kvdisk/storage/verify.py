@@ -15,14 +15,20 @@ one look per file, not one per file and ancestor. Pure of vLLM and torch.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
 
-from vllm_kvdisk.storage.fileread import check_layers, read_meta, read_tokens, read_tool_map, text_sha1
-from vllm_kvdisk.core.format import FormatError
-from vllm_kvdisk.storage.fsdir import LockTimeout
 from vllm_kvdisk.core.entry import Entry
+from vllm_kvdisk.core.format import FormatError
+from vllm_kvdisk.storage.fileread import (
+    check_layers,
+    read_meta,
+    read_tokens,
+    read_tool_map,
+    text_sha1,
+)
+from vllm_kvdisk.storage.fsdir import LockTimeout
 from vllm_kvdisk.storage.store import Store
 
 
@@ -47,9 +53,9 @@ class Report:
         return not any(p.kind != "unsupported" for p in self.problems)
 
 
-def check_file(store: Store, ns: str, sha1: str,
-               on_bad: Callable[[str, os.stat_result], None] | None = None
-               ) -> tuple[str, str] | None:
+def check_file(
+    store: Store, ns: str, sha1: str, on_bad: Callable[[str, os.stat_result], None] | None = None
+) -> tuple[str, str] | None:
     """Full read of one file; (kind, reason) if it is unsound, None if it is sound.
     ``on_bad(why, stat)`` is called for an unsound file while its descriptor is still open
     (``stat``: of that descriptor), so a quarantine moves exactly the file read."""
@@ -81,8 +87,9 @@ def check_file(store: Store, ns: str, sha1: str,
         os.close(fd)
 
 
-def verify(store: Store, *, jobs: int = 1,
-           progress: Callable[[int, int], None] | None = None) -> Report:
+def verify(
+    store: Store, *, jobs: int = 1, progress: Callable[[int, int], None] | None = None
+) -> Report:
     """Check everything (``jobs`` files at a time); a writable store also repairs.
     ``progress(done, total)`` is called as files are checked."""
     fix = not store.readonly
@@ -102,8 +109,9 @@ def verify(store: Store, *, jobs: int = 1,
         moved = []
 
         def quarantine(why: str, st: os.stat_result) -> None:
-            moved.append(store.quarantine(entry.ns, entry.sha1, why, inode=st.st_ino,
-                                          dev=st.st_dev))
+            moved.append(
+                store.quarantine(entry.ns, entry.sha1, why, inode=st.st_ino, dev=st.st_dev)
+            )
 
         found = check_file(store, entry.ns, entry.sha1, quarantine if fix else None)
         return entry, found, any(moved)
@@ -127,8 +135,11 @@ def verify(store: Store, *, jobs: int = 1,
     except LockTimeout:  # replicas busy: report them, a later --fix deletes them
         orphans, removed = store.orphans(), False
     for entry in orphans:
-        report.problems.append(Problem(entry.ns, entry.sha1, "orphan",
-                                       f"parent {entry.parent} missing or inconsistent"))
+        report.problems.append(
+            Problem(
+                entry.ns, entry.sha1, "orphan", f"parent {entry.parent} missing or inconsistent"
+            )
+        )
         report.fixed += removed
     for ns, name, abandoned in temps:
         if not abandoned:

@@ -34,8 +34,8 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 PORT = 24007
 LOCK = "/tmp/kvdisk-gluster.lock"
@@ -55,11 +55,16 @@ def missing() -> str | None:
         return "mounting a GlusterFS volume needs root"
     if not os.path.exists("/dev/fuse"):
         return "no /dev/fuse (FUSE is needed for the glusterfs client)"
-    absent = [t for t in TOOLS if shutil.which(t, path=os.environ.get("PATH", "") +
-                                                 ":/usr/sbin:/sbin") is None]
+    absent = [
+        t
+        for t in TOOLS
+        if shutil.which(t, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin") is None
+    ]
     if absent:
-        return (f"{', '.join(absent)} not installed (apt-get install glusterfs-server "
-                "glusterfs-client; .ci/run does it)")
+        return (
+            f"{', '.join(absent)} not installed (apt-get install glusterfs-server "
+            "glusterfs-client; .ci/run does it)"
+        )
     return None
 
 
@@ -94,8 +99,10 @@ def _run(cmd: Sequence[str], what: str, timeout: float = CALL_TIMEOUT_S) -> str:
 
 
 def _gluster(sock: str, *args: str) -> str:
-    return _run(["gluster", "--mode=script", f"--glusterd-sock={sock}", *args],
-                f"gluster {' '.join(args[:2])}")
+    return _run(
+        ["gluster", "--mode=script", f"--glusterd-sock={sock}", *args],
+        f"gluster {' '.join(args[:2])}",
+    )
 
 
 def _mounts_under(base: str) -> list[str]:
@@ -183,8 +190,11 @@ def _log_tails(base: str, brick: str | None = None, limit: int = 1500) -> str:
     out = []
     for path in paths:
         with contextlib.suppress(OSError):
-            lines = [ln for ln in open(path, errors="replace").read().splitlines()
-                     if "] E [" in ln or "] W [" in ln]
+            lines = [
+                ln
+                for ln in open(path, errors="replace").read().splitlines()
+                if "] E [" in ln or "] W [" in ln
+            ]
             if lines:
                 out.append(f"--- {path}:\n" + "\n".join(lines)[-limit:])
     return "\n".join(out)
@@ -237,7 +247,8 @@ def _glusterd_config(base: str, sock: str) -> str:
         "    option ping-timeout 0\n"
         "    option event-threads 1\n"
         "    option max-port 60999\n"
-        "end-volume\n")
+        "end-volume\n"
+    )
 
 
 def _start_glusterd(base: str, sock: str) -> None:
@@ -247,8 +258,18 @@ def _start_glusterd(base: str, sock: str) -> None:
     with open(vol, "w") as fh:
         fh.write(_glusterd_config(base, sock))
     # glusterd daemonizes: it returns once its pid file is written.
-    _run(["glusterd", "-f", vol, "-p", os.path.join(base, "run", "glusterd.pid"),
-          "-l", os.path.join(base, "log", "glusterd.log")], "starting glusterd")
+    _run(
+        [
+            "glusterd",
+            "-f",
+            vol,
+            "-p",
+            os.path.join(base, "run", "glusterd.pid"),
+            "-l",
+            os.path.join(base, "log", "glusterd.log"),
+        ],
+        "starting glusterd",
+    )
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -293,8 +314,10 @@ def _held(path: str, timeout_s: float) -> Iterator[int]:
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise GlusterError(f"{path} is held by another run for more than "
-                                       f"{timeout_s:g} s (one such volume per machine)") from None
+                    raise GlusterError(
+                        f"{path} is held by another run for more than "
+                        f"{timeout_s:g} s (one such volume per machine)"
+                    ) from None
                 time.sleep(0.5)
         yield fd
     finally:
@@ -302,8 +325,14 @@ def _held(path: str, timeout_s: float) -> Iterator[int]:
 
 
 @contextlib.contextmanager
-def volume(base: str, *, name: str = "kvdisk", mount_options: Sequence[str] = (),
-           options: dict[str, str] | None = None, wait_s: float = 1800.0) -> Iterator[Volume]:
+def volume(
+    base: str,
+    *,
+    name: str = "kvdisk",
+    mount_options: Sequence[str] = (),
+    options: dict[str, str] | None = None,
+    wait_s: float = 1800.0,
+) -> Iterator[Volume]:
     """A fresh volume on a brick under ``base``, mounted on ``base/a`` and ``base/b``
     (``mount_options``: extra ``-o`` options of both mounts; ``options``: ``gluster volume
     set`` before the start). Everything under ``base`` goes at the end."""
@@ -324,8 +353,7 @@ def volume(base: str, *, name: str = "kvdisk", mount_options: Sequence[str] = ()
             # Not ours (ours were stopped above): a glusterd that was running already.
             sock, own = SYSTEM_SOCKET, False
             name = f"{name}-{os.getpid()}"
-        vol = Volume(base, name, (os.path.join(base, "a"), os.path.join(base, "b")), sock,
-                     own)
+        vol = Volume(base, name, (os.path.join(base, "a"), os.path.join(base, "b")), sock, own)
         brick = os.path.join(base, "brick", "b")
         try:
             os.makedirs(os.path.dirname(brick), exist_ok=True)
@@ -340,7 +368,8 @@ def volume(base: str, *, name: str = "kvdisk", mount_options: Sequence[str] = ()
                     raise GlusterError(
                         f"port {PORT} is held by {_port_holder()}, and no glusterd answers on "
                         f"{SYSTEM_SOCKET}: stop that process (a volume another run left "
-                        "under another directory?)") from None
+                        "under another directory?)"
+                    ) from None
             vol.timings["glusterd_s"] = time.perf_counter() - t0
             host = socket.gethostname()
             # force: the brick is on the root file system, which gluster warns about.
@@ -351,8 +380,18 @@ def volume(base: str, *, name: str = "kvdisk", mount_options: Sequence[str] = ()
             opts = ["log-file=" + os.path.join(base, "log", "mount-{}.log"), *mount_options]
             for point, tag in zip(vol.mounts, "ab"):
                 os.makedirs(os.path.join(base, "log"), exist_ok=True)
-                _run(["mount", "-t", "glusterfs", "-o", ",".join(opts).format(tag),
-                      f"{host}:/{name}", point], f"mounting {point}")
+                _run(
+                    [
+                        "mount",
+                        "-t",
+                        "glusterfs",
+                        "-o",
+                        ",".join(opts).format(tag),
+                        f"{host}:/{name}",
+                        point,
+                    ],
+                    f"mounting {point}",
+                )
             _check_mounts(*vol.mounts)
             vol.timings["setup_s"] = time.perf_counter() - t0
         except BaseException as exc:

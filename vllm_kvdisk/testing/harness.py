@@ -22,15 +22,18 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
 # The CPU build's `vllm` console script is broken (it asks for a distribution named
 # "vllm"); serve.py's workaround, then vLLM's own CLI.
-LAUNCH_VLLM = ("import sys; from vllm_kvdisk.serve import _patch_cpu_build_version; "
-               "_patch_cpu_build_version(); from vllm.entrypoints.cli.main import main; "
-               "sys.argv = ['vllm', 'serve', *sys.argv[1:]]; main()")
+LAUNCH_VLLM = (
+    "import sys; from vllm_kvdisk.serve import _patch_cpu_build_version; "
+    "_patch_cpu_build_version(); from vllm.entrypoints.cli.main import main; "
+    "sys.argv = ['vllm', 'serve', *sys.argv[1:]]; main()"
+)
 
 
 def random_prompt(n: int, seed: int, low: int = 10, high: int = 4000) -> list[int]:
@@ -57,13 +60,23 @@ def free_port() -> int:
 def kvdisk_transfer_config(kv_dir: str, **extra: Any) -> Any:
     from vllm.config import KVTransferConfig
 
-    return KVTransferConfig(kv_connector="kvdisk", kv_role="kv_both",
-                            kv_load_failure_policy="recompute",
-                            kv_connector_extra_config={"kv_disk_dir": kv_dir, **extra})
+    return KVTransferConfig(
+        kv_connector="kvdisk",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"kv_disk_dir": kv_dir, **extra},
+    )
 
 
-def make_llm(model: str, kv_dir: str | None, *, prefix_caching: bool = True,
-             max_model_len: int = 8192, llm_args: dict | None = None, **extra: Any) -> Any:
+def make_llm(
+    model: str,
+    kv_dir: str | None,
+    *,
+    prefix_caching: bool = True,
+    max_model_len: int = 8192,
+    llm_args: dict | None = None,
+    **extra: Any,
+) -> Any:
     """An engine on ``model`` (fp32, eager), with kvdisk on ``kv_dir`` (``extra``: its
     config keys)."""
     from vllm import LLM
@@ -72,8 +85,13 @@ def make_llm(model: str, kv_dir: str | None, *, prefix_caching: bool = True,
     if kv_dir is not None:
         kwargs["kv_transfer_config"] = kvdisk_transfer_config(kv_dir, **extra)
     kwargs.setdefault("dtype", "float32")
-    return LLM(model=model, enforce_eager=True, max_model_len=max_model_len,
-               enable_prefix_caching=prefix_caching, **kwargs)
+    return LLM(
+        model=model,
+        enforce_eager=True,
+        max_model_len=max_model_len,
+        enable_prefix_caching=prefix_caching,
+        **kwargs,
+    )
 
 
 def close(llm: Any) -> None:
@@ -93,8 +111,13 @@ def engine(model: str, kv_dir: str | None, **kwargs: Any) -> Iterator[Any]:
         close(llm)
 
 
-def generate(llm: Any, prompt: list[int], max_tokens: int = 16, salt: str | None = None,
-             kv_params: dict | None = None) -> tuple[list[int], int]:
+def generate(
+    llm: Any,
+    prompt: list[int],
+    max_tokens: int = 16,
+    salt: str | None = None,
+    kv_params: dict | None = None,
+) -> tuple[list[int], int]:
     """Greedy tokens for one prompt and the number of its tokens that were cached."""
     from vllm import SamplingParams
 
@@ -109,13 +132,34 @@ def generate(llm: Any, prompt: list[int], max_tokens: int = 16, salt: str | None
 
 # -- server processes --------------------------------------------------------------------
 def kvdisk_command(model: str, kv_dir: str, port: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "vllm_kvdisk.serve", "serve", model, "--host", "127.0.0.1",
-            "--port", str(port), "--kv-disk-dir", kv_dir, *args]
+    return [
+        sys.executable,
+        "-m",
+        "vllm_kvdisk.serve",
+        "serve",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--kv-disk-dir",
+        kv_dir,
+        *args,
+    ]
 
 
 def vllm_command(model: str, port: int, *args: str) -> list[str]:
-    return [sys.executable, "-c", LAUNCH_VLLM, model, "--host", "127.0.0.1", "--port",
-            str(port), *args]
+    return [
+        sys.executable,
+        "-c",
+        LAUNCH_VLLM,
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *args,
+    ]
 
 
 def error_from_log(path: str) -> str:
@@ -134,9 +178,17 @@ def error_from_log(path: str) -> str:
 class Server:
     """A server process on 127.0.0.1:``port``, ready when ``/health`` answers."""
 
-    def __init__(self, cmd: list[str], log_path: str, port: int, *,
-                 env: dict[str, str] | None = None, model: str = "", timeout_s: float = 300,
-                 cwd: str | None = None):
+    def __init__(
+        self,
+        cmd: list[str],
+        log_path: str,
+        port: int,
+        *,
+        env: dict[str, str] | None = None,
+        model: str = "",
+        timeout_s: float = 300,
+        cwd: str | None = None,
+    ):
         import requests
 
         self.cmd, self.port, self.model, self.log_path = cmd, port, model, log_path
@@ -145,14 +197,22 @@ class Server:
             env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
         self._log = open(log_path, "ab")  # noqa: SIM115 - open while the server runs
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, cwd=cwd)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            cwd=cwd,
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self._log.close()
-                raise RuntimeError(f"server exited with {self.proc.returncode} during "
-                                   f"start-up: {error_from_log(log_path)} (log: {log_path})")
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode} during "
+                    f"start-up: {error_from_log(log_path)} (log: {log_path})"
+                )
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
                     self.startup_s = time.perf_counter() - t0
@@ -174,13 +234,26 @@ class Server:
         return r.json()
 
     def chat(self, messages: list[dict], max_tokens: int = 24, **extra: Any) -> dict:
-        return self.post("/v1/chat/completions", {"model": self.model, "messages": messages,
-                                                  "max_tokens": max_tokens, "temperature": 0,
-                                                  **extra})
+        return self.post(
+            "/v1/chat/completions",
+            {
+                "model": self.model,
+                "messages": messages,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                **extra,
+            },
+        )
 
     def tokenize(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.post("/tokenize", {"model": self.model, "messages": messages,
-                                       "add_generation_prompt": add_generation_prompt})["tokens"]
+        return self.post(
+            "/tokenize",
+            {
+                "model": self.model,
+                "messages": messages,
+                "add_generation_prompt": add_generation_prompt,
+            },
+        )["tokens"]
 
     def reset_prefix_cache(self, external: bool = False) -> dict:
         """vLLM's device prefix cache (and with ``external`` the connector's cache too);
@@ -192,8 +265,11 @@ class Server:
         # (freed a step or two later). Its documented answer is to retry.
         deadline = time.monotonic() + 60
         while True:
-            r = requests.post(self.url + "/reset_prefix_cache",
-                              params={"reset_external": str(external).lower()}, timeout=60)
+            r = requests.post(
+                self.url + "/reset_prefix_cache",
+                params={"reset_external": str(external).lower()},
+                timeout=60,
+            )
             r.raise_for_status()
             out = r.json() if r.content else {}
             if out.get("success", True) or time.monotonic() > deadline:
@@ -211,8 +287,11 @@ class Server:
             head, value = line.rsplit(" ", 1)
             if "{" in head:
                 name, labels = head[:-1].split("{", 1)
-                keep = [lb for lb in labels.split(",")
-                        if lb and not lb.startswith(("model_name=", "engine="))]
+                keep = [
+                    lb
+                    for lb in labels.split(",")
+                    if lb and not lb.startswith(("model_name=", "engine="))
+                ]
                 head = name + ("{" + ",".join(sorted(keep)) + "}" if keep else "")
             with contextlib.suppress(ValueError):
                 out[head] = out.get(head, 0.0) + float(value)
@@ -258,5 +337,8 @@ class Server:
             time.sleep(0.2)
         if not self._log.closed:
             self._log.close()
-        return {"rc": self.proc.returncode, "stop_s": round(time.perf_counter() - t0, 2),
-                "killed_lingering_children": lingered}
+        return {
+            "rc": self.proc.returncode,
+            "stop_s": round(time.perf_counter() - t0, 2),
+            "killed_lingering_children": lingered,
+        }

@@ -91,10 +91,14 @@ ARCHS = ("llama", "gemma3", "qwen3next")
 GEMMA3_WINDOW = 256
 
 
-def _params(seed: int, vocab_size: int, shape: dict[str, int],
-            arch: str = "llama") -> dict[str, int | str]:
-    params: dict[str, int | str] = {"build_version": _BUILD_VERSION, "seed": seed,
-                                    "vocab_size": vocab_size}
+def _params(
+    seed: int, vocab_size: int, shape: dict[str, int], arch: str = "llama"
+) -> dict[str, int | str]:
+    params: dict[str, int | str] = {
+        "build_version": _BUILD_VERSION,
+        "seed": seed,
+        "vocab_size": vocab_size,
+    }
     if shape != TINY_SHAPE:  # keep the tiny model's marker (and cached builds) unchanged
         params.update(shape)
     if arch != "llama":
@@ -151,35 +155,59 @@ def _build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
 
 
 def _hybrid_config(arch: str, vocab_size: int, shape: dict[str, int], ids: dict[str, int]):
-    common = dict(vocab_size=vocab_size, hidden_size=shape["hidden"],
-                  intermediate_size=2 * shape["hidden"], num_attention_heads=shape["heads"],
-                  num_key_value_heads=shape["kv_heads"], head_dim=64,
-                  max_position_embeddings=32768, initializer_range=0.5,
-                  bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD],
-                  tie_word_embeddings=False)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=shape["hidden"],
+        intermediate_size=2 * shape["hidden"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=64,
+        max_position_embeddings=32768,
+        initializer_range=0.5,
+        bos_token_id=ids[BOS],
+        eos_token_id=ids[EOS],
+        pad_token_id=ids[PAD],
+        tie_word_embeddings=False,
+    )
     if arch == "gemma3":
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
         layers = 6  # window, window, full, twice: three KV cache groups of two layers
         types = (["sliding_attention"] * 2 + ["full_attention"]) * (layers // 3)
-        config = Gemma3TextConfig(num_hidden_layers=layers, sliding_window=GEMMA3_WINDOW,
-                                  layer_types=types, dtype="float32", **common)
+        config = Gemma3TextConfig(
+            num_hidden_layers=layers,
+            sliding_window=GEMMA3_WINDOW,
+            layer_types=types,
+            dtype="float32",
+            **common,
+        )
         config.architectures = ["Gemma3ForCausalLM"]
         return config, Gemma3ForCausalLM, "float32"
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     config = Qwen3NextConfig(
-        num_hidden_layers=4, full_attention_interval=2, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=128, shared_expert_intermediate_size=128, decoder_sparse_step=1,
-        dtype="bfloat16", **common)
+        num_hidden_layers=4,
+        full_attention_interval=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        decoder_sparse_step=1,
+        dtype="bfloat16",
+        **common,
+    )
     config.architectures = ["Qwen3NextForCausalLM"]
     return config, Qwen3NextForCausalLM, "bfloat16"
 
 
-def _build(out: pathlib.Path, seed: int, vocab_size: int, shape: dict[str, int],
-           arch: str = "llama") -> None:
+def _build(
+    out: pathlib.Path, seed: int, vocab_size: int, shape: dict[str, int], arch: str = "llama"
+) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -274,8 +302,10 @@ def build_tiny_model(
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (1, 2) or (len(args) == 2 and args[1] not in ARCHS):
-        print(f"usage: python -m vllm_kvdisk.testing.tinymodel OUT_DIR [{'|'.join(ARCHS)}]",
-              file=sys.stderr)
+        print(
+            f"usage: python -m vllm_kvdisk.testing.tinymodel OUT_DIR [{'|'.join(ARCHS)}]",
+            file=sys.stderr,
+        )
         return 2
     print(build_tiny_model(args[0], arch=args[1] if len(args) == 2 else "llama"))
     return 0
