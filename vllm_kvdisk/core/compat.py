@@ -29,6 +29,7 @@ Pure: the wiring reads plain values out of vLLM's config and calls these.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from vllm_kvdisk.core.format import Group, GroupKind
 
@@ -156,13 +157,13 @@ class GroupInfo:
     spec: str  # the spec's class name
     layers: int
     block_size: int
-    page: tuple  # anything that tells the pages apart: (dtype, kv heads, head sizes)
+    page: tuple[Any, ...]  # anything that tells the pages apart: (dtype, kv heads, head sizes)
     full: bool = False  # a FullAttentionSpec (MLA included)
     window: int = 0  # a SlidingWindowSpec's window plus its retained tokens
     # A MambaSpec: its cache mode, speculative blocks, and its state tensors' shapes and
     # dtypes (what tells two models' states apart: part of the namespace).
     state_mode: str = ""
-    state: tuple = ()
+    state: tuple[Any, ...] = ()
     speculative_blocks: int = 0
     page_bytes: int = 0  # the group's page (a state group's padded to the attention page)
 
@@ -257,7 +258,7 @@ def groups_signature(groups: tuple[Group, ...], states: tuple[str, ...] = ()) ->
     return "/G" + ",".join(parts)
 
 
-def state_signature(state: tuple) -> str:
+def state_signature(state: tuple[Any, ...]) -> str:
     """A state group's tensors as text: ``((3, 1024), 'bfloat16'), ...`` ->
     ``3x1024:bfloat16+...``."""
     return "+".join("x".join(str(d) for d in shape) + f":{dtype}" for shape, dtype in state)

@@ -145,7 +145,7 @@ class KVDiskConfig:
         return self.kv_disk_min_free_mb * 1024 * 1024
 
 
-FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(KVDiskConfig)}
+FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(KVDiskConfig)}
 
 
 def flag_of(name: str) -> str:

@@ -57,7 +57,7 @@ def _brief(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def _params(request: Any) -> dict:
+def _params(request: Any) -> dict[str, Any]:
     params = getattr(request, "kv_transfer_params", None)
     return params if isinstance(params, dict) else {}
 

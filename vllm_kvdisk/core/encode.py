@@ -43,6 +43,8 @@ from vllm_kvdisk.core.keys import token_digest
 from vllm_kvdisk.core.toolmap import MAX_KTM_BYTES, encode_tool_map
 
 if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
     from vllm_kvdisk.core.planner import SavePlan
 
 
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
 class Encoded:
     """A checkpoint ready for ``writev``: buffers in file order and its final size."""
 
-    buffers: list[bytes | memoryview]
+    buffers: list[Buffer]
     size: int
     header: Header
     payload: Payload
@@ -62,7 +64,7 @@ def encode_checkpoint(
     *,
     text: bytes,
     tokens: bytes,
-    layers: Sequence[bytes | memoryview],
+    layers: Sequence[Buffer],
     payload: Payload,
     reason: Reason,
     kv_dtype: str,
@@ -122,7 +124,7 @@ def encode_checkpoint(
         offsets.ktm - offsets.payload,
     )
     pad = bytes(offsets.pages - offsets.tokens - len(tokens))
-    buffers: list[bytes | memoryview] = [
+    buffers: list[Buffer] = [
         header.pack(),
         TEXT_LEN.pack(len(text)),
         text,
@@ -157,7 +159,7 @@ def encode_plan(
     *,
     text: bytes,
     ids: np.ndarray | bytes,
-    layers: Sequence,
+    layers: Sequence[Buffer],
     layout: PageLayout,
     fingerprint: bytes,
     kv_dtype: str,

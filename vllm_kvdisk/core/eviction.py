@@ -29,7 +29,7 @@ SCORE_STEP = 1.25
 def score(entry: Entry, now: float) -> float:
     """ds4's keep-worthiness: (decayed hits + 1) x tokens / bytes. Lower goes first."""
     age = max(0.0, now - entry.last_used)
-    decayed = entry.hits * 0.5 ** (age / HALF_LIFE_S)
+    decayed = entry.hits * math.pow(0.5, age / HALF_LIFE_S)
     return (decayed + 1.0) * entry.tokens / max(1, entry.size)
 
 
@@ -85,14 +85,14 @@ def plan_eviction(
             continue
         siblings = ranks[groups[ns]] if ns in groups else [ns]
         for key in [(ns, sha1)] + [(o, sha1) for o in siblings if o != ns]:
-            entry = index.get(*key)
-            if entry is None or key in planned or kids.get(key) or key in keep:
+            victim = index.get(*key)
+            if victim is None or key in planned or kids.get(key) or key in keep:
                 continue
-            plan.append(entry)
+            plan.append(victim)
             planned.add(key)
-            freed += entry.size
-            if entry.parent:
-                pkey = (key[0], entry.parent)
+            freed += victim.size
+            if victim.parent:
+                pkey = (key[0], victim.parent)
                 kids[pkey] = kids.get(pkey, 1) - 1
                 parent = index.get(*pkey)
                 if parent is not None and kids[pkey] == 0 and pkey not in keep:

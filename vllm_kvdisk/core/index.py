@@ -334,7 +334,7 @@ class Index:
         a block boundary; whole files by token digest, a partly matching file up to its
         last matching block."""
         ids = np.ascontiguousarray(ids, dtype="<u4")
-        raw = memoryview(ids).cast("B")
+        raw = ids.data.cast("B")
         limit = min(limit, len(ids))
         limit -= limit % block_size
         best: tuple[int, int, _Path] = (0, 0, None)  # (tokens, -files, path)
@@ -392,7 +392,11 @@ class Index:
         cand: Entry, ids: np.ndarray, pos: int, limit: int, block_size: int, read_ids: IdsReader
     ) -> int:
         stop = min(cand.tokens, limit)
-        theirs = cand.ids[pos:stop] if cand.pending else read_ids(cand, pos, stop)
+        theirs: np.ndarray | None
+        if cand.pending and cand.ids is not None:  # a save in flight: its ids are in memory
+            theirs = cand.ids[pos:stop]
+        else:
+            theirs = read_ids(cand, pos, stop)
         if theirs is None:
             return pos
         return pos + common_blocks(ids[pos:stop], theirs, block_size)

@@ -37,6 +37,7 @@ import shutil
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from vllm_kvdisk.core.keys import Fingerprint, rank_group
 from vllm_kvdisk.core.logs import get_logger
@@ -188,7 +189,7 @@ class Directory:
                 fsdir.write_atomic(state.fd, "namespace.json", [body])
         return ns
 
-    def info(self, ns: str) -> tuple[dict | None, bool]:
+    def info(self, ns: str) -> tuple[dict[str, Any] | None, bool]:
         """(what namespace.json says, whether there is one to say it): a namespace whose
         creator has not written it yet is asked again later; one that is not ours is not."""
         with self._mutex:

@@ -34,7 +34,10 @@ import secrets
 import stat
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 TMP_PREFIX = ".tmp-"
@@ -163,7 +166,7 @@ def same_dir(fd: int, name: str, parent_fd: int) -> bool:
     return stat.S_ISDIR(st.st_mode) and (st.st_ino, st.st_dev) == (mine.st_ino, mine.st_dev)
 
 
-def writev_all(fd: int, buffers: Sequence) -> int:
+def writev_all(fd: int, buffers: Sequence[Buffer]) -> int:
     total = 0
     views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
     head = 0
@@ -196,7 +199,7 @@ class TempFile:
         except OSError:
             pass  # no flock here (some network file systems): the age grace still applies
 
-    def write(self, buffers: Sequence) -> int:
+    def write(self, buffers: Sequence[Buffer]) -> int:
         written = writev_all(self.fd, buffers)
         os.fsync(self.fd)
         return written
@@ -228,7 +231,7 @@ class TempFile:
         self.close()
 
 
-def write_atomic(dir_fd: int, name: str, buffers: Sequence) -> int:
+def write_atomic(dir_fd: int, name: str, buffers: Sequence[Buffer]) -> int:
     """Write ``name`` in ``dir_fd`` atomically (temp file, fsync, rename, fsync dir)."""
     with TempFile(dir_fd, name) as tmp:
         written = tmp.write(buffers)

@@ -32,6 +32,7 @@ import contextlib
 import json
 import os
 from collections.abc import Iterable
+from typing import Any
 
 from vllm_kvdisk.core.changes import (
     FIELDS,
@@ -112,7 +113,7 @@ class Journal:
             want = min(want * 4, READ_CHUNK)
 
     @staticmethod
-    def _header(fd: int) -> dict:
+    def _header(fd: int) -> dict[str, Any]:
         head = os.pread(fd, MAX_HEADER_BYTES, 0)
         end = head.find(b"\n")
         if end < 0:

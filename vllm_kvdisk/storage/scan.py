@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvdisk.core.changes import Change, bulk, replay
+from vllm_kvdisk.core.changes import Change, Loaded, bulk, replay
 from vllm_kvdisk.core.entry import Entry, entry_of
 from vllm_kvdisk.core.format import FormatError, UnsupportedFile
 from vllm_kvdisk.core.index import Index
@@ -201,6 +201,7 @@ class Scanner:
     def _follow(self) -> bool:
         """Under the mutex: apply the journal's new lines to an index whole at a known
         count. False (and the view not whole) at a gap or when the journal cannot be read."""
+        got: list[Change] | Loaded | None
         if self._whole_at is None and self.journal.replaced():
             got = self.journal.load()  # a new snapshot: follow again from there
         elif self._whole_at is None or self._whole_at < 0:

@@ -65,7 +65,7 @@ def start_up(scanner: Scanner, lock_timeout_s: float, *, background: bool = True
     return journaled
 
 
-def _reconcile_forever(ref: weakref.ref, now: bool) -> None:
+def _reconcile_forever(ref: weakref.ref[Scanner], now: bool) -> None:
     while True:
         scanner = ref()
         if scanner is None or scanner.directory.fd < 0:

@@ -212,7 +212,7 @@ class Store:
     def ensure_namespace(self, fp: Fingerprint) -> str:
         return self.directory.ensure(fp)
 
-    def namespace_info(self, ns: str) -> dict | None:
+    def namespace_info(self, ns: str) -> dict[str, Any] | None:
         """What ``namespace.json`` says the namespace is (None if absent, unreadable or not
         ours: see ``directory.parse_namespace_info``)."""
         return self.directory.info(ns)[0]
@@ -231,7 +231,7 @@ class Store:
     def clear_trash(self) -> int:
         return self.directory.clear_trash()
 
-    def dir_lock(self, timeout_s: float | None = None) -> contextlib.AbstractContextManager:
+    def dir_lock(self, timeout_s: float | None = None) -> contextlib.AbstractContextManager[None]:
         return self.lock.hold(timeout_s)
 
     def quarantined_files(self) -> list[str]:
