@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_kvdisk.core.tenancy import TENANT_SOURCES
+
 LOAD_POLICIES = ("always", "auto")
 ENV_PREFIX = "KVDISK_"
 
@@ -129,6 +131,21 @@ class KVDiskConfig:
         "longest wait for the cache directory's lock (a stuck network volume then skips a save)",
         minimum=1,
         unit="s",
+    )
+    kv_tenant_from: str = knob(
+        "api_key",
+        "where a request's tenant comes from: its API key (Authorization: Bearer), the "
+        "header --kv-tenant-header (set by a gateway), or none; each tenant gets its own "
+        "cache_salt, so tenants share neither device nor disk cache (needs the kvdisk "
+        "endpoint plugin, which vllm-kvdisk serve enables)",
+        choices=TENANT_SOURCES,
+    )
+    kv_tenant_header: str = knob(
+        "x-tenant-id", "the header naming the tenant when --kv-tenant-from is header"
+    )
+    kv_tenant_required: bool = knob(
+        False,
+        "refuse (HTTP 400) a generation request that names neither a tenant nor a cache_salt",
     )
     kv_disk_allow_shared_dir: bool = knob(
         False,

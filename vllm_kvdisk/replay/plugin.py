@@ -9,7 +9,9 @@ general plugins, so it must name ``kvdisk`` too); ``vllm-kvdisk serve`` sets it.
         --kv-transfer-config '{"kv_connector":"kvdisk",...}' \
         --enable-auto-tool-choice --tool-call-parser hermes
 
-It adds no route. ``init_state`` wraps, on the app's own handler objects (instance
+It adds no route. ``attach_router`` puts the tenancy gate (:mod:`vllm_kvdisk.api.tenancy`:
+each request's ``cache_salt`` from its tenant) in front of vLLM's handlers. ``init_state``
+configures the gate and wraps, on the app's own handler objects (instance
 attributes; no vLLM class is patched):
 
 * ``OpenAIServingChat.render_chat_request``: plans the replay (which assistant messages
@@ -96,14 +98,34 @@ class ReplayPlugin:
     name = PLUGIN_NAME
     required_tasks = ("generate",)
 
-    def attach_router(self, app: Any) -> None:  # no routes: it only wraps handlers
-        return None
+    def __init__(self) -> None:
+        from vllm_kvdisk.api.tenancy import TenancyGate
+
+        self.tenancy = TenancyGate()
+
+    def attach_router(self, app: Any) -> None:
+        """No routes: the tenancy gate goes in front of vLLM's handlers (inert until
+        ``init_state`` configures it); everything else wraps handlers."""
+        from vllm_kvdisk.api.tenancy import TenancyMiddleware
+
+        app.add_middleware(TenancyMiddleware, gate=self.tenancy)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
-        chat = getattr(state, "openai_serving_chat", None)
-        if engine_client is None or chat is None:
+        if engine_client is None:
             return
         config = kvdisk_config(engine_client.vllm_config)
+        if config is not None:
+            self.tenancy.configure(
+                config.kv_tenant_from, config.kv_tenant_header, config.kv_tenant_required
+            )
+            log.info(
+                "kvdisk: cache salt per tenant from %s%s",
+                config.kv_tenant_from,
+                " (required)" if config.kv_tenant_required else "",
+            )
+        chat = getattr(state, "openai_serving_chat", None)
+        if chat is None:
+            return
         if config is None:
             log.warning(
                 "kvdisk replay: the kvdisk connector is not configured; tool-call replay is off"

@@ -226,14 +226,22 @@ class Server:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def post(self, path: str, body: dict, timeout: float = 300) -> dict:
+    def post(
+        self, path: str, body: dict, timeout: float = 300, headers: dict | None = None
+    ) -> dict:
         import requests
 
-        r = requests.post(self.url + path, json=body, timeout=timeout)
+        r = requests.post(self.url + path, json=body, timeout=timeout, headers=headers)
         r.raise_for_status()
         return r.json()
 
-    def chat(self, messages: list[dict], max_tokens: int = 24, **extra: Any) -> dict:
+    def chat(
+        self,
+        messages: list[dict],
+        max_tokens: int = 24,
+        headers: dict | None = None,
+        **extra: Any,
+    ) -> dict:
         return self.post(
             "/v1/chat/completions",
             {
@@ -243,6 +251,7 @@ class Server:
                 "temperature": 0,
                 **extra,
             },
+            headers=headers,
         )
 
     def tokenize(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
