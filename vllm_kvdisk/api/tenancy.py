@@ -14,6 +14,7 @@ not a JSON object passes unchanged (vLLM answers it with its own error).
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from vllm_kvdisk.core.logs import get_logger
@@ -41,6 +42,13 @@ SALTED_ROUTES = (
 STATE_ONLY_ROUTES = ("/tokenize",)
 STATE_KEY = "kvdisk_cache_salt"
 
+# The ASGI interface, as far as the gate uses it.
+Message = dict[str, Any]
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+
 
 class TenancyGate:
     """The settings the middleware applies; None until the plugin reads them."""
@@ -59,10 +67,10 @@ class TenancyGate:
 
 
 class TenancyMiddleware:
-    def __init__(self, app: Any, gate: TenancyGate) -> None:
+    def __init__(self, app: App, gate: TenancyGate) -> None:
         self.app, self.gate = app, gate
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http" or scope.get("method") != "POST" or not self.gate.active:
             return await self.app(scope, receive, send)
         path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
@@ -107,9 +115,9 @@ class TenancyMiddleware:
         return await self.app(scope, _replay(body, False, receive), send)
 
 
-async def _read_body(receive: Any) -> tuple[bytes, bool, dict | None]:
+async def _read_body(receive: Receive) -> tuple[bytes, bool, Message | None]:
     """The whole body, or what came before another message (a disconnect)."""
-    chunks = []
+    chunks: list[bytes] = []
     while True:
         message = await receive()
         if message.get("type") != "http.request":
@@ -119,13 +127,13 @@ async def _read_body(receive: Any) -> tuple[bytes, bool, dict | None]:
             return b"".join(chunks), False, None
 
 
-def _replay(body: bytes, more: bool, receive: Any, tail: dict | None = None) -> Any:
+def _replay(body: bytes, more: bool, receive: Receive, tail: Message | None = None) -> Receive:
     """A ``receive`` that hands the body over once, then what the client sends next."""
-    pending = [{"type": "http.request", "body": body, "more_body": more}]
+    pending: list[Message] = [{"type": "http.request", "body": body, "more_body": more}]
     if tail is not None:
         pending.append(tail)
 
-    async def replayed() -> dict:
+    async def replayed() -> Message:
         if pending:
             return pending.pop(0)
         return await receive()
@@ -133,7 +141,7 @@ def _replay(body: bytes, more: bool, receive: Any, tail: dict | None = None) -> 
     return replayed
 
 
-async def _refuse(send: Any, message: str) -> None:
+async def _refuse(send: Send, message: str) -> None:
     body = json.dumps(
         {
             "error": {
