@@ -10,9 +10,10 @@ same run:
   * restore, cold (file dropped from the page cache with posix_fadvise)  vs  cold preadv
   * save (encode + write + fsync + rename)  vs  os.writev of the same bytes + fsync
   * a long conversation's chain: the files a ``--turns``-turn conversation of these tokens
-    leaves on disk under the save rules (grid points, tails, each grid checkpoint a delta
-    on the previous one), restored in one load, against the single file of the same bytes
-    (target: within 1.2x); and a stress case, ``--chain-files`` equal slices
+    leaves on disk under the save rules (grid points and tails, each a delta on the
+    deepest checkpoint below it: every block written once), restored in one load, against
+    the single file of the same bytes (target: within 1.2x); and a stress case,
+    ``--chain-files`` equal slices
 The read limit is the best of three plain ways to read the file (one preadv call, 4 MiB
 calls in one thread, 4 MiB calls from every I/O thread on ranges of its own); rounds
 interleave the contenders. restore/limit near 1.0 means the path runs at the storage
@@ -120,8 +121,7 @@ def conversation_cuts(tokens: int, turns: int, align: int = 2048, trim: int = 32
         end = int(step * turn)
         due = rules.on_step(int(end - step / 4), 0, int(end - step / 4)) + rules.on_finished(end)
         for length, reason in sorted(due):
-            spine = rules.grid.is_position if rules.grid.is_position(length) else None
-            plan = planner.plan_save("n", prompt, length, reason, spine=spine)
+            plan = planner.plan_save("n", prompt, length, reason)
             if plan is not None:
                 index.add(
                     Entry(

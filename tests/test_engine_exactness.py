@@ -93,12 +93,14 @@ def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_pat
 
 
 def test_disk_hit_extends_a_gpu_hit(tiny_model, tmp_path):
-    """A longer prompt restores only the blocks the device cache lacks, then the rest."""
+    """A longer prompt restores only the blocks the device cache lacks, then the rest; and
+    its checkpoints are deltas on the first prompt's, grid points on tails alike, so no
+    block is on disk twice."""
     kv = str(tmp_path / "kv")
     base = random_prompt(1500, seed=3)
     with engine(tiny_model, kv) as llm:
-        generate(llm, base[:700])  # checkpoint at 640
-        generate(llm, base)  # delta checkpoint at 1408 on top of 640
+        generate(llm, base[:1100])  # grid point 896, tail 1024
+        generate(llm, base)  # grid point and tail 1408, a delta on the tail at 1024
         llm.reset_prefix_cache()
         generate(llm, base[:500])  # device cache now holds 384 tokens of the prefix
         tokens, cached = generate(llm, base)
@@ -110,8 +112,17 @@ def test_disk_hit_extends_a_gpu_hit(tiny_model, tmp_path):
     store.scan()
     deepest = max(store.index.entries(), key=lambda e: e.tokens)
     chain = store.index.chain(deepest.ns, deepest.sha1)
-    # 1408 is a delta on 640: its file owns blocks [5, 11) only, no duplicated pages.
-    assert [(e.parent_tokens, e.tokens) for e in chain] == [(0, 640), (640, 1408)]
+    assert [(e.parent_tokens, e.tokens) for e in chain] == [
+        (0, 896),
+        (896, 1024),
+        (1024, 1408),
+    ]
+    # Every other file holds a branch (a reply the engine generated), never blocks of this
+    # prompt again: the tail at 1024 is in the chain, not beside it as a leaf.
+    for e in store.index.entries():
+        if e not in chain:
+            ids = store.read_ids(e, 0, e.tokens)
+            assert ids is not None and list(ids) != base[: e.tokens]
 
 
 def test_a_sibling_session_restores_past_the_grid_point_inside_the_first_ones_file(

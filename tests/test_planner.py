@@ -1,40 +1,54 @@
-"""Save planning: where a save's parent is, so chains stay shallow as a conversation grows."""
+"""Save planning: where a save's parent is, so every block of a conversation is written once."""
 
-from synth import BLOCK, Disk, ids_of
+from synth import BLOCK, Disk, ids_of, prompt_of
 
 from vllm_kvdisk.core.format import Reason
+from vllm_kvdisk.core.planner import Planner
+from vllm_kvdisk.core.saverules import Grid
 
 
-def test_grid_saves_rebase_on_the_grid_so_chains_stay_shallow():
-    """A conversation growing turn by turn: tails chain on each other between grid points,
-    and each grid checkpoint is a delta on the previous grid checkpoint, not on the tails,
-    so the chain is the grid points plus the tails since the last one."""
-    from synth import prompt_of
+def grow(planner, d, prompt, ends, grid, ns="n"):
+    """Save every grid point and tail a conversation growing to each of ``ends`` passes;
+    returns the tokens each saved file owns."""
+    owned = []
+    for end in ends:
+        for pos in sorted({grid.floor(end), grid.block_floor(end)} - {0}):
+            plan = planner.plan_save(ns, prompt, pos, Reason.COLD)
+            if plan is not None:
+                d.add(plan.sha1, prompt.ids, pos, plan.parent, plan.parent_tokens)
+                owned.append(pos - plan.parent_tokens)
+    return owned
 
-    from vllm_kvdisk.core.planner import Planner
-    from vllm_kvdisk.core.saverules import Grid
 
+def test_every_block_of_a_growing_conversation_is_written_once():
+    """Tails and grid points share one chain: a grid checkpoint is a delta on the tail
+    below it, not a copy of the blocks the tails already hold (1.87x the unique KV on
+    an agent's session before), and a lookup still finds the deepest position."""
     grid = Grid(256, 32, BLOCK)
     d = Disk()
     planner = Planner(d.index, BLOCK, d.read)
-    ids = ids_of(10, 2000)
-    prompt = prompt_of(ids % 262)
-    ids = prompt.ids
-    for end in range(80, 1800, 80):  # 80 new tokens per turn
-        for pos in sorted({grid.floor(end), grid.block_floor(end)} - {0}):
-            plan = planner.plan_save(
-                "n",
-                prompt,
-                pos,
-                Reason.COLD,
-                spine=grid.is_position if grid.is_position(pos) else None,
-            )
-            if plan is not None:
-                d.add(plan.sha1, ids, pos, plan.parent, plan.parent_tokens)
-    got = d.lookup(ids, 1800)
+    prompt = prompt_of(ids_of(10, 2000) % 262)
+    owned = grow(planner, d, prompt, range(80, 1800, 80), grid)  # 80 new tokens per turn
+    deepest = max(grid.floor(1760), grid.block_floor(1760))
+    assert sum(owned) == deepest  # each block once
+    got = d.lookup(prompt.ids, 1800)
+    assert got.tokens == deepest
     ends = [s.upto for s in got.segments]
-    assert got.tokens == max(grid.floor(1760), grid.block_floor(1760))
-    on_grid = [e for e in ends if grid.is_position(e)]
-    assert on_grid == grid.positions_upto(got.tokens)  # every grid point, in order
-    assert len(ends) - len(on_grid) <= 256 // 80 + 1  # only the tails since the last one
-    assert len(d.index) > len(ends)  # the superseded tails are still there, as leaves
+    assert [e for e in ends if grid.is_position(e)] == grid.positions_upto(deepest)
+    assert len(ends) == len(d.index)  # one chain: no file is a leaf beside it
+
+
+def test_a_second_conversation_writes_only_where_it_differs():
+    """Two sessions share a system prompt and diverge inside a file of the first: the
+    second's saves start where the shared prefix ends (a branch inside the file)."""
+    grid = Grid(256, 32, BLOCK)
+    d = Disk()
+    planner = Planner(d.index, BLOCK, d.read)
+    first = prompt_of(ids_of(10, 1200) % 262)
+    grow(planner, d, first, (600, 1200), grid)
+    ids = first.ids.copy()
+    ids[700:] = (ids[700:] + 1) % 262  # diverges at token 700, inside a file of the first
+    second = prompt_of(ids)
+    owned = grow(planner, d, second, (1200,), grid)
+    shared = 700 - 700 % BLOCK
+    assert sum(owned) == grid.block_floor(1200) - shared

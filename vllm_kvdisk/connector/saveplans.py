@@ -82,12 +82,8 @@ class SavePlanning:
             return False
         prompt = Prompt(self.table, ids)
         planned = False
-        grid = self.rules.grid
-        on_grid = grid.is_position
         for length, reason in due:
-            plan = self.planner.plan_save(
-                st.ns, prompt, length, reason, spine=on_grid if on_grid(length) else None
-            )
+            plan = self.planner.plan_save(st.ns, prompt, length, reason)
             if plan is None:
                 continue
             bs = self.block_size

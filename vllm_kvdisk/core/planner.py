@@ -10,7 +10,7 @@ the same way. :func:`encode_plan` is the one encoder of a checkpoint file.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,23 +79,12 @@ class Planner:
             return Lookup(miss=Miss.BELOW_MIN_TOKENS)
         return self.index.lookup(ns, ids, usable, self.block_size, self.read_ids)
 
-    def plan_save(
-        self,
-        ns: str,
-        prompt: Prompt,
-        length: int,
-        reason: Reason,
-        spine: Callable[[int], bool] | None = None,
-    ) -> SavePlan | None:
+    def plan_save(self, ns: str, prompt: Prompt, length: int, reason: Reason) -> SavePlan | None:
         """A save of ``prompt[:length]`` (a block boundary) as a delta on the deepest
         checkpoint on disk or in flight that holds a prefix of it (possibly up to the
-        middle of that file); None when that checkpoint already covers ``length``.
-
-        ``spine``: this save is a grid checkpoint, and ``spine(L)`` tells which positions
-        are on the grid: its parent is then the deepest checkpoint below it *without the
-        tail checkpoints at the end of that chain* (they stay as leaves; the grid file
-        repeats their blocks). So a conversation's chain is its grid checkpoints plus the
-        tails since the last one, however many turns it had."""
+        middle of that file), whatever position that one was saved at (a grid point or a
+        tail); None when that checkpoint already covers ``length``. So every block of a
+        conversation is written once: a conversation's chain is every position it saved."""
         if length < self.min_tokens or length % self.block_size or length > len(prompt.ids):
             return None
         below = self.index.lookup(
@@ -103,11 +92,7 @@ class Planner:
         )
         if below.tokens >= length:
             return None
-        segments = below.segments
-        if spine is not None:
-            while segments and segments[-1].whole and not spine(segments[-1].upto):
-                segments = segments[:-1]
-        top = segments[-1] if segments else None
+        top = below.segments[-1] if below.segments else None
         return SavePlan(
             ns,
             prompt.sha1_at(length),
