@@ -52,9 +52,10 @@ class GroupBlocks:
                 p = state_block(hit, bs)
                 sources = [(0, 0)] * (len(segments) - 1) + [(p, p + 1)]
             elif group.kind == GroupKind.WINDOW:
-                sources = window_sources(files, hit, local, group.window, bs)
-                if sources is None:
+                found = window_sources(files, hit, local, group.window, bs)
+                if found is None:
                     raise ValueError("a sliding window the hit needs is not stored")
+                sources = found
             else:
                 sources = [
                     (max(s.entry.parent_tokens // bs, start), s.upto // bs) for s in segments

@@ -129,12 +129,16 @@ class Loads:
             self._report().stale.append((ns, sha1))
         self.trace.load_failed(sha1, str(exc), blocks)
 
+    def _touch_all(self, ns: str, sha1s: list[str]) -> None:
+        for sha1 in sha1s:
+            self.store.touch(ns, sha1)
+
     def _touch_later(self, ns: str, sha1s: list[str]) -> None:
         """Hit counts and last-used times, off the restore's critical path."""
         if not sha1s:
             return
         try:
-            self._background.submit(lambda: [self.store.touch(ns, sha1) for sha1 in sha1s])
+            self._background.submit(self._touch_all, ns, sha1s)
         except RuntimeError:  # shutting down: the pool takes no more work
             pass
 

@@ -24,6 +24,7 @@ no straggler may write into them afterwards.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -152,9 +153,9 @@ class Restorer:
             for file in files:  # check every file of the batch before reading any page
                 try:
                     opened.append(self._open(ns, fingerprint, file, job, expected))
-                except OpenFailed as failed:
-                    out.failed, out.error, out.failed_inode = file, failed.error, failed.inode
-                    failed_fd = failed.fd
+                except OpenFailed as refused:
+                    out.failed, out.error, out.failed_inode = file, refused.error, refused.inode
+                    failed_fd = refused.fd
                     break
             results = self._read_all(opened)
             bad = next((i for i, r in enumerate(results) if r is not None), None)
@@ -171,7 +172,7 @@ class Restorer:
                 failed = next((o for o in opened if o.file is out.failed), None)
                 if failed is not None:
                     on_corrupt(failed.file.sha1, str(out.error), os.fstat(failed.fd).st_ino)
-                else:  # it failed its checks while being opened (still open: failed_fd)
+                elif out.failed is not None:  # failed its checks while opened (failed_fd)
                     on_corrupt(out.failed.sha1, str(out.error), out.failed_inode)
         finally:
             for o in opened:
@@ -247,7 +248,7 @@ class Restorer:
             raise StaleFile(f"KV cache groups {groups} are not the engine's")
         if len(file.ranges) != len(groups) or len(job.groups) != len(groups):
             raise ValueError("load job does not name a block range per KV cache group")
-        per_group = []
+        per_group: list[tuple[int, int, list[int]]] = []
         for g, (a, c), ids in zip(groups, file.ranges, job.groups):
             if c <= a:  # nothing of this group from this file: checksummed only
                 per_group.append((g.num_blocks, 0, []))
@@ -300,9 +301,9 @@ class Restorer:
         finally:
             wait([f for _, f in futures])
         for i, fut in futures:
-            exc = fut.exception()
-            if exc is not None and results[i] is None:
-                results[i] = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
+            raised = fut.exception()
+            if raised is not None and results[i] is None:
+                results[i] = raised if isinstance(raised, Exception) else RuntimeError(str(raised))
         return results
 
     def _direct_tasks(self, o: _Open, groups: int) -> list[Callable[[], None]]:
@@ -329,7 +330,7 @@ class Restorer:
                     ],
                 )
 
-            return [lambda a=a, b=b: read(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+            return [functools.partial(read, a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
         pb = mover.page_bytes
 
@@ -346,12 +347,12 @@ class Restorer:
                         (len(targets) * pb, mover.host_views(layer, runs[id(targets)])),
                         (back * pb, None),
                     ],
-                    memoryview(scratch),
+                    scratch.data,
                 )
             finally:
                 self.staging.put(scratch)
 
-        return [lambda layer=layer: one(layer) for layer in range(n_layers)]
+        return [functools.partial(one, layer) for layer in range(n_layers)]
 
     def _read_staged(self, o: _Open) -> None:
         """Device cache: read the used pages into host staging (the others only through a
@@ -368,9 +369,9 @@ class Restorer:
         def read(layer: int) -> Future:
             front, back, targets = o.layers[layer]
             k, used = layer % 2, len(targets) * pb
-            parts = [(front * pb, None), (used, [memoryview(flats[k])[:used]]), (back * pb, None)]
+            parts = [(front * pb, None), (used, [flats[k].data[:used]]), (back * pb, None)]
             return self.readers.submit(
-                read_layer_parts, o.fd, meta, layer, parts, memoryview(scratches[k])
+                read_layer_parts, o.fd, meta, layer, parts, scratches[k].data
             )
 
         pending = None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
+from typing import cast
 
 import numpy as np
 import torch
@@ -100,7 +101,9 @@ def block_pages(value: torch.Tensor | Sequence[torch.Tensor], num_blocks: int) -
     so a block's bytes are one run of the page size in every layer. Copying that run whole
     copies the state (or the K/V page) exactly. A view whose blocks do not lie in runs of
     one stride (a layout kvdisk cannot address by block) is refused."""
-    tensors = list(value) if isinstance(value, (list, tuple)) else [value]
+    tensors: list[torch.Tensor] = (
+        list(value) if isinstance(value, (list, tuple)) else [cast(torch.Tensor, value)]
+    )
     if not tensors or num_blocks < 1:
         raise ValueError("kvdisk: an empty KV cache layer")
     storage = tensors[0].untyped_storage()
@@ -212,7 +215,7 @@ class PageMover:
         self._host_bytes: list[memoryview] = []  # each layer as one flat byte view
         if host_copies and self.device.type == "cpu" and all(t.is_contiguous() for t in layers):
             self._host = [t.view(torch.uint8).reshape(self.num_blocks, -1).numpy() for t in layers]
-            self._host_bytes = [memoryview(a).cast("B") for a in self._host]
+            self._host_bytes = [a.data.cast("B") for a in self._host]
         self._cuda = (
             streams
             if streams is not None
@@ -277,7 +280,8 @@ class PageMover:
         cuda = self._cuda
         if cuda is not None:
             cuda.enter_thread()
-            cuda.after_compute(after)  # the forward that wrote these blocks comes first
+            # the forward that wrote these blocks comes first
+            cuda.after_compute(cast("torch.cuda.Event | None", after))
         step = self._piece_blocks()
         with cuda.on_side() if cuda is not None else nullcontext():
             index: dict[int, torch.Tensor] = {}
