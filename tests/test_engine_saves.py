@@ -5,7 +5,7 @@ import time
 
 import pytest
 import requests
-from engine import OUTCOME_WAIT_S, Server, engine, events, generate, random_prompt
+from engine import OUTCOME_WAIT_S, Server, engine, events, generate, random_prompt, wait_events
 
 pytestmark = pytest.mark.engine
 
@@ -122,4 +122,32 @@ def test_auto_policy_recomputes_when_the_store_is_slow(tiny_model, tmp_path, mon
     assert "cheaper to recompute: load" in events(trace, "miss")[-1].detail
     with engine(tiny_model, None, prefix_caching=False) as llm:
         reference, _ = generate(llm, second)
+    assert tokens == reference
+
+
+def test_admission_and_the_write_budget_decide_what_is_written(tiny_model, tmp_path):
+    """``repeat``: a one-off start is not written, the second request that begins the same
+    way is; a write budget of 1 MiB a day is spent by those files (4 KiB of KV per token
+    here), so the next request's saves are skipped and a restore stops at what was
+    written, exactly."""
+    from helpers import kv_files
+
+    kv, trace = str(tmp_path / "kv"), str(tmp_path / "trace.txt")
+    prompt = random_prompt(1500, seed=21)
+    cfg = {"kv_disk_admission": "repeat", "kv_disk_write_mb_per_day": 1}
+    with engine(tiny_model, kv, trace=trace, **cfg) as llm:
+        generate(llm, prompt[:700])  # a first start: not written
+        generate(llm, prompt[:1100])  # the same start again: grid point 896, tail 1024
+        saved = wait_events(trace, "saved", count=2)
+        assert sorted(e.tokens for e in saved) == [896, 1024]
+        # A step or two without saves brings the written bytes to the budget's account.
+        generate(llm, random_prompt(200, seed=22), kv_params={"kvdisk": {"save": False}})
+        generate(llm, prompt)  # admitted, but the day's bytes are spent: nothing written
+        llm.reset_prefix_cache()
+        tokens, cached = generate(llm, prompt)
+        assert cached == 1024
+    assert len(kv_files(kv)) == 2
+    assert not any(e.tokens > 1024 for e in events(trace, "saved"))
+    with engine(tiny_model, None, prefix_caching=False) as llm:
+        reference, _ = generate(llm, prompt)
     assert tokens == reference

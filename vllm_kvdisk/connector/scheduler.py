@@ -42,6 +42,7 @@ from vllm_kvdisk.core.planner import Planner, trim_to_states, trim_to_windows
 from vllm_kvdisk.core.policy import LoadCostModel
 from vllm_kvdisk.core.saverules import Grid, SaveRules
 from vllm_kvdisk.core.tokens import TokenTable
+from vllm_kvdisk.core.writebudget import Admission, WriteBudget
 from vllm_kvdisk.ops.diagnose import Diagnostics, LookupReport
 from vllm_kvdisk.ops.metrics import KVDiskStats, snapshot
 from vllm_kvdisk.ops.recorder import StatsRecorder
@@ -110,6 +111,8 @@ class SchedulerSide:
             context_size=context_size,
             workers=workers,
         )
+        self.write_budget = WriteBudget(config.kv_disk_write_mb_per_day * 2**20, time.monotonic())
+        self.admission = Admission(config.kv_disk_admission)
         self._reqs: dict[str, RequestState] = {}
         self._loads: list[LoadJob] = []
         self._holds: list[str] = []  # finished requests held for their copies, to tell workers
@@ -324,6 +327,8 @@ class SchedulerSide:
     def _plan(self, st: RequestState, due: list, group_ids: list[list[int]] | None = None) -> bool:
         """Plan a request's due saves. A state model saves only where a state is kept:
         at the newest boundary vLLM handed over, if a save is due at or after it."""
+        if due and not self._may_write(st, len(due)):
+            return False
         if group_ids is None:
             group_ids = self._block_ids(st.request.request_id)
         if not self.states.active:
@@ -336,6 +341,20 @@ class SchedulerSide:
         if not later or tokens < self.rules.min_tokens:
             return False
         return self.saves.plan(st, [(tokens, later[0])], group_ids, states=blocks)
+
+    def _may_write(self, st: RequestState, positions: int) -> bool:
+        """The admission rule and the write budget; a refusal counts its positions."""
+        request = st.request
+        if self.admission.rule != "all":
+            first = list(request.prompt_token_ids or ())[: self.block_size]
+            start = (st.ns, tuple(first))
+            if len(first) < self.block_size or not self.admission.admits(start, request.request_id):
+                self.stats.count("saves_skipped", "admission", positions)
+                return False
+        if not self.write_budget.allows(time.monotonic()):
+            self.stats.count("saves_skipped", "write_budget", positions)
+            return False
+        return True
 
     @guarded("request_finished", lambda: (False, None))
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -392,7 +411,9 @@ class SchedulerSide:
             if st is not None:
                 st.load_failed()
         index = self.store.index
+        now = time.monotonic()
         for entry in report.written:
+            self.write_budget.charge(entry.size, now)
             index.add(entry)
             self.events.landed(entry.key)
         for ns, sha1 in report.failed_saves:
@@ -451,6 +472,7 @@ class SchedulerSide:
         self.stats.set("disk_bytes", index.total_bytes)
         self.stats.set("disk_files", len(index))
         self.stats.set("disk_budget_bytes", store.space_bytes)
+        self.stats.set("write_budget_left_bytes", self.write_budget.left(time.monotonic()))
         new_quarantines = store.stats.quarantined - self._quarantined_seen
         if new_quarantines:
             self.stats.add("quarantined", new_quarantines)

@@ -20,9 +20,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_kvdisk.core.tenancy import TENANT_SOURCES
-
 LOAD_POLICIES = ("always", "auto")
+# Standard library only, no import of the package: deploy/validate.sh loads this file alone.
+TENANT_SOURCES = ("none", "api_key", "header")  # core.tenancy
+ADMISSION_RULES = ("all", "repeat")  # core.writebudget
 ENV_PREFIX = "KVDISK_"
 
 
@@ -125,6 +126,21 @@ class KVDiskConfig:
         "estimates of this engine's load bandwidth and prefill speed; always: restore every "
         "hit",
         choices=LOAD_POLICIES,
+    )
+    kv_disk_write_mb_per_day: int = knob(
+        0,
+        "SSD wear cap: most MiB of checkpoint files this server writes per day (a bucket "
+        "refilled continuously, holding one day's worth; a restart refills it); past it "
+        'saves are skipped (saves_skipped{reason="write_budget"}); 0: no cap',
+        minimum=0,
+        unit="MiB",
+    )
+    kv_disk_admission: str = knob(
+        "all",
+        "which requests are written: all, or repeat: only a request whose first block an "
+        "earlier request of its namespace also started with (a one-off prompt is never "
+        "written; a conversation is, from its second turn on)",
+        choices=ADMISSION_RULES,
     )
     kv_disk_lock_timeout_s: int = knob(
         10,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 
-TENANT_SOURCES = ("none", "api_key", "header")
 DERIVED_PREFIX = "kvt-"  # salts this module derives for a tenant
 ESCAPED_PREFIX = "kvc-"  # a tenant-less client's salt that imitated a derived one
 

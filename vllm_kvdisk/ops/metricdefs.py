@@ -25,6 +25,7 @@ GAUGES = (
     "disk_budget_bytes",
     "pending_writes",
     "staging_peak_bytes",
+    "write_budget_left_bytes",
 )  # latest values
 
 # The connector hooks that run guarded (the label values of vllm:kvdisk_errors_total).
@@ -94,7 +95,8 @@ METRICS = (
         ("reason",),
         "Checkpoints not written for no fault: no_space (the budget or free-space watermark "
         "cannot be met), lock_timeout, parent_gone, namespace_removed, exists (a file of that "
-        "name is on disk), busy (saves in flight hold the staging cap).",
+        "name is on disk), busy (saves in flight hold the staging cap), write_budget (the "
+        "bytes per day are spent), admission (the admission rule did not admit the request).",
         "saves_skipped",
     ),
     (
@@ -157,6 +159,14 @@ METRICS = (
         "The most host staging memory saves in flight have held since start (the cap is "
         "kv_disk_staging_inflight_mb; past it saves are skipped as busy).",
         "staging_peak_bytes",
+    ),
+    (
+        "write_budget_left_bytes",
+        "gauge",
+        (),
+        "Bytes the write budget (kv_disk_write_mb_per_day) lets this server write now; 0 "
+        "without a cap.",
+        "write_budget_left_bytes",
     ),
 )
 
