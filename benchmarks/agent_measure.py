@@ -87,6 +87,23 @@ def disk_usage(path: str | None) -> dict:
     return {"bytes": total, "files": files}
 
 
+def unique_blocks(sequences: list, block_size: int) -> int:
+    """Distinct KV blocks among the token sequences a server computed: the blocks of their
+    prefix tree (two sequences share a block when they agree on every token up to its end),
+    what a cache that stores each block once would hold."""
+    import hashlib
+
+    seen: set[bytes] = set()
+    for seq in sequences:
+        h = hashlib.sha1()
+        raw = bytes(memoryview(seq.astype("<u4")))
+        step = 4 * block_size
+        for at in range(0, len(raw) - step + 1, step):
+            h.update(raw[at : at + step])
+            seen.add(h.digest())
+    return len(seen)
+
+
 def token_sources(before: dict, after: dict) -> dict:
     """The server's own split of prompt tokens over a phase (counters' difference)."""
 

@@ -39,7 +39,14 @@ import tempfile
 import time
 
 from agent_client import run_phase, stream_chat
-from agent_measure import CpuMeter, disk_usage, engine_cores, storage_limit, token_sources
+from agent_measure import (
+    CpuMeter,
+    disk_usage,
+    engine_cores,
+    storage_limit,
+    token_sources,
+    unique_blocks,
+)
 from agent_report import render, write_outputs
 from agent_workload import Ideal, Workload
 from common import kv_bytes_per_token, model_shape
@@ -190,10 +197,13 @@ def run_config(
     info["disk"] = disk_usage(cache_dir)
     if name == "kvdisk" and info["status"] == "ok" and cache_dir:
         info["storage_limit"] = storage_limit(cache_dir, info["phases"])
+    info["unique_blocks"] = unique_blocks(ideal.computed, block)
     if trace_path and os.path.exists(trace_path):
         counts: dict[str, int] = {}
         for event in trace.read(trace_path):
             counts[event.kind] = counts.get(event.kind, 0) + 1
+            if event.kind == "saved":
+                info["bytes_written"] = info.get("bytes_written", 0) + event.bytes
         info["trace_counts"] = counts
     return info, records
 

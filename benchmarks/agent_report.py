@@ -206,6 +206,16 @@ def render(data: dict) -> str:
             "replies identical to the no-cache baseline (same session and turn): "
             + ", ".join(f"{k} {v}" for k, v in summary["replies_equal_to_none"].items())
         )
+    per_token = data["meta"]["model"].get("kv_bytes_per_token") if "meta" in data else None
+    for n in ok:
+        info = configs[n]
+        if per_token and info.get("unique_blocks") and "bytes_written" in info:
+            unique = info["unique_blocks"] * data["meta"]["block_size"] * per_token
+            L.append(
+                f"{n}: written / unique KV {info['bytes_written'] / unique:.2f}, on disk / "
+                f"unique KV {info['disk']['bytes'] / unique:.2f} (unique: the distinct "
+                f"blocks the server computed, {unique / 1e6:.0f} MB)"
+            )
     lim = configs.get("kvdisk", {}).get("storage_limit")
     if lim:
         L.append("")
