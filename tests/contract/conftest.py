@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 def make_engine(tiny_model, tmp_path):
     """``make_engine(tp=1, *, loads=..., copy_steps=1, async_scheduling=False,
     num_blocks=400, max_tokens_per_step=2048, max_num_seqs=16,
-    max_num_inflight_kv_loads=None, **kvdisk)``"""
+    max_num_inflight_kv_loads=None, state_group=False, **kvdisk)``"""
     import vllm_api as api
     from driver import Engine
 
@@ -29,6 +29,7 @@ def make_engine(tiny_model, tmp_path):
         max_tokens_per_step=2048,
         max_num_seqs=16,
         max_num_inflight_kv_loads=None,
+        state_group=False,
         **kvdisk,
     ):
         config = {
@@ -46,6 +47,7 @@ def make_engine(tiny_model, tmp_path):
             max_num_batched_tokens=max_tokens_per_step,
             max_num_seqs=max_num_seqs,
             max_num_inflight_kv_loads=max_num_inflight_kv_loads,
+            state_group=state_group,
             **config,
         )
         kw = {"loads": loads} if loads else {}

@@ -13,8 +13,9 @@ vLLM's own ``KVOutputAggregator``.
 
 What it checks, after every action that may free blocks (``schedule``,
 ``update_from_output``, an abort): every page copy and every load still running reads or
-writes only blocks vLLM still holds for its request, and no copy reads a block a load on
-any rank is still writing. A violation raises :class:`FreedBlockRead`.
+writes only blocks vLLM still holds for its request (or, a hybrid model's state block,
+kvdisk still pins for it in vLLM's block pool), and no copy reads a block a load on any
+rank is still writing. A violation raises :class:`FreedBlockRead`.
 """
 
 from __future__ import annotations
@@ -56,10 +57,16 @@ class Rank:
     loads: dict[str, tuple[LoadJob, int, list[int]]] = field(default_factory=dict)
     copies: list[Copy] = field(default_factory=list)
     held: set[str] = field(default_factory=set)
+    waited: list[Copy] = field(default_factory=list)  # ended by handle_preemptions
 
     def start(self, meta, plan: LoadPlan, copy_steps: int) -> None:
-        for req_id in meta.flush:  # handle_preemptions: copies end before the forward
-            self.copies = [c for c in self.copies if c.job.req_id != req_id]
+        # handle_preemptions, before the forward: the copies of requests preempted in this
+        # step end now, and so does every hybrid copy (a window or a state block it reads
+        # may have been freed by this step's scheduler). They report as copied.
+        flush = set(meta.flush)
+        ended = [c for c in self.copies if c.job.req_id in flush or c.job.groups]
+        self.copies = [c for c in self.copies if c not in ended]
+        self.waited += ended
         for job in meta.loads:
             steps, bad = plan(job, self.index)
             self.loads[job.req_id] = (job, steps, bad)
@@ -79,6 +86,10 @@ class Rank:
             if bad:
                 invalid.update(bad)
                 report.failed_loads.append(req_id)
+        for copy in self.waited:
+            report.copied.append(copy.job.req_id)
+            report.failed_saves.append((copy.job.plan.ns, copy.job.plan.sha1))
+        self.waited = []
         running = []
         for copy in self.copies:
             copy.steps -= 1
@@ -209,16 +220,30 @@ class Engine:
         for rank in self.ranks:
             for copy in rank.copies:
                 job = copy.job
-                self._owned(job.req_id, job.block_ids, f"a copy on rank {rank.index}", when)
-                clash = sorted(b for b in job.block_ids if b in loading)
+                if job.groups and when != "schedule":
+                    # A hybrid copy ends at the next step's handle_preemptions, before any
+                    # forward may write a block freed meanwhile: checked when it starts.
+                    continue
+                blocks = [b for ids in job.groups for b in ids] if job.groups else job.block_ids
+                self._owned(job.req_id, blocks, f"a copy on rank {rank.index}", when)
+                clash = sorted(b for b in blocks if b in loading)
                 if clash:
                     raise FreedBlockRead(
                         f"after {when}: a copy of {job.req_id} reads blocks {clash} "
                         f"that a load of {loading[clash[0]]} is still writing"
                     )
 
+    def _pinned(self, req_id: str) -> set[int]:
+        """State blocks kvdisk pinned in vLLM's block pool for a request (``touch``) that
+        vLLM has not freed (a pin keeps a block's reference count above zero)."""
+        states = self.kvdisk.states
+        found = states._newest.get(req_id)
+        blocks = list(found[1].values()) if found else []
+        blocks += states._after_finish.get(req_id, [])
+        return {b.block_id for b in blocks if b.ref_cnt > 0}
+
     def _owned(self, req_id: str, blocks: list[int], what: str, when: str) -> None:
-        lost = sorted(set(blocks) - api.owned_blocks(self.s, req_id))
+        lost = sorted(set(blocks) - api.owned_blocks(self.s, req_id) - self._pinned(req_id))
         if lost:
             raise FreedBlockRead(
                 f"after {when}: {what} of {req_id} uses blocks {lost} vLLM has freed"

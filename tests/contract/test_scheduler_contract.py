@@ -150,6 +150,48 @@ def test_a_disk_hit_starts_loading_while_the_batch_is_full_where_vllm_allows_it(
     assert waiting.is_finished() and kvdisk_forgot(engine)
 
 
+def test_a_hybrid_models_state_is_pinned_from_its_hand_off_until_its_copy_ends(make_engine):
+    """A Mamba state group in vLLM's align mode: vLLM hands over the state at the prompt's
+    last whole block once and frees it a step later. kvdisk pins it in vLLM's block pool
+    (``touch``) and saves it with the attention blocks before it; the pin outlives the
+    request until its copy is reported, then every block is vLLM's again."""
+    engine = make_engine(2, copy_steps=3, state_group=True)
+    request = api.make_request(PROMPT, max_tokens=3)
+    engine.add(request)
+    engine.step()
+    boundary = engine.kvdisk.states.boundary(request.request_id)
+    assert boundary is not None and boundary[0] == 192  # 12 whole blocks of 16
+    (state_block,) = boundary[1].values()
+    tables = api.block_tables(engine.s, request.request_id)
+    assert tables[0][11] == state_block  # the state after token 192, in vLLM's table
+    engine.step()
+    (save,) = engine.saves
+    assert save.plan.tokens == 192 and save.groups == [[state_block], tables[1][:12]]
+    engine.run(lambda: request.is_finished())  # vLLM moved on: only the pin holds it
+    engine.drain()
+    assert engine.kvdisk.states.pinned == 0
+    assert api.free_blocks(engine.s) == engine.blocks_at_start
+    assert kvdisk_forgot(engine)
+
+
+def test_a_state_handed_over_a_step_before_the_save_is_still_there_to_copy(make_engine):
+    """Chunked prefill of 300 tokens, 128 a step: vLLM hands over the states at 128 and
+    256 and frees each a step later; the save due when the prompt completes (step 3) is
+    made at the newest boundary, 256, whose block only kvdisk's pin still holds."""
+    engine = make_engine(state_group=True, max_tokens_per_step=128)
+    prompt = list(range(100, 400))
+    request = api.make_request(prompt, max_tokens=2)
+    engine.add(request)
+    engine.run(lambda: bool(engine.saves))
+    (save,) = engine.saves
+    assert save.plan.tokens == 256 and len(engine.scheduled) == 3
+    (state_block,) = save.groups[0]
+    assert state_block not in api.block_tables(engine.s, request.request_id)[0]  # vLLM's: gone
+    engine.drain()
+    assert engine.kvdisk.states.pinned == 0
+    assert api.free_blocks(engine.s) == engine.blocks_at_start
+
+
 def test_sleep_mode_is_refused_at_start_up(tiny_model, tmp_path):
     """kvdisk does not follow sleep mode's KV cache remap: vLLM 0.33+ refuses the pair
     while it builds its config, from ``supports_sleep_mode``, before any connector

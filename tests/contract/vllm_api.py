@@ -33,7 +33,12 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -63,11 +68,14 @@ def make_scheduler(
     max_num_seqs: int = 16,
     max_num_inflight_kv_loads: int | None = None,
     enable_sleep_mode: bool = False,
+    state_group: bool = False,
     **kvdisk: Any,
 ) -> Scheduler:
     """A real vLLM scheduler with kvdisk (config keys ``kvdisk``) as its connector, for a
     model of ``tp`` ranks (the tiny model: 4 layers, 2 KV heads of 64).
-    ``max_num_inflight_kv_loads`` exists from vLLM 0.33 on; 0.32 ignores it here."""
+    ``max_num_inflight_kv_loads`` exists from vLLM 0.33 on; 0.32 ignores it here.
+    ``state_group``: a hybrid model's KV cache instead, a Mamba state group in vLLM's
+    align mode beside the attention group (vLLM's hybrid KV cache manager on)."""
     register()
     model_config = ModelConfig(model=model, dtype="float32", seed=0, max_model_len=8192)
     # Set after validation: ModelConfig refuses sleep mode on a platform without it (this
@@ -85,7 +93,11 @@ def make_scheduler(
         async_scheduling=async_scheduling,
         **inflight,
     )
-    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    cache_config = CacheConfig(
+        block_size=block_size,
+        enable_prefix_caching=True,
+        **({"mamba_cache_mode": "align"} if state_group else {}),
+    )
     transfer = KVTransferConfig(
         kv_connector="kvdisk",
         kv_role="kv_both",
@@ -101,19 +113,31 @@ def make_scheduler(
         device_config=DeviceConfig("cpu"),
     )
     heads = max(1, 2 // tp)
+    attention = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=heads, head_size=64, dtype=torch.float32
+    )
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    groups = [KVCacheGroupSpec(layers, attention)]
+    if state_group:
+        # Layers 0-1 keep states, 2-3 attention; a state's page padded to the attention
+        # page, as vLLM lays out a hybrid model in align mode.
+        state = MambaSpec(
+            block_size=block_size,
+            shapes=((4, 64),),
+            dtypes=(torch.float32,),
+            page_size_padded=attention.page_size_bytes,
+            mamba_cache_mode="align",
+        )
+        groups = [
+            KVCacheGroupSpec([f"model.layers.{i}.linear_attn" for i in range(2)], state),
+            KVCacheGroupSpec(layers[2:], attention),
+        ]
     kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                [f"model.layers.{i}.self_attn.attn" for i in range(4)],
-                FullAttentionSpec(
-                    block_size=block_size, num_kv_heads=heads, head_size=64, dtype=torch.float32
-                ),
-            )
-        ],
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
     )
     config.cache_config.num_gpu_blocks = num_blocks
+    if state_group:  # this CPU platform reports no hybrid support: vLLM turned HMA off
+        config.scheduler_config.disable_hybrid_kv_cache_manager = False
     cls = AsyncScheduler if async_scheduling else Scheduler
     return cls(
         vllm_config=config,
@@ -198,12 +222,19 @@ def copy_output(output: ModelRunnerOutput) -> ModelRunnerOutput:
 
 def owned_blocks(scheduler: Scheduler, req_id: str) -> set[int]:
     """The engine blocks vLLM still holds for a request (none once it freed them)."""
-    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
-    return {b.block_id for b in manager.req_to_blocks.get(req_id, ())}
+    owned: set[int] = set()
+    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+        owned.update(b.block_id for b in manager.req_to_blocks.get(req_id, ()))
+    return owned
 
 
 def block_table(scheduler: Scheduler, req_id: str) -> list[int]:
     return list(scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+
+
+def block_tables(scheduler: Scheduler, req_id: str) -> list[list[int]]:
+    """A request's block table in each KV cache group."""
+    return [list(ids) for ids in scheduler.kv_cache_manager.get_block_ids(req_id)]
 
 
 def is_loading(scheduler: Scheduler, req_id: str) -> bool:
