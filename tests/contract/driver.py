@@ -132,6 +132,7 @@ class Engine:
         self.saves: list[SaveJob] = []  # every save job shipped
         self.loads: list[LoadJob] = []  # every load job shipped
         self.metas: list = []  # every step's connector metadata
+        self.preempted: list[str] = []  # requests vLLM preempted, in order
         self.blocks_at_start = api.free_blocks(scheduler)
         self.scheduled: list[dict[str, int]] = []  # each step's tokens per request
         self.steps = 0
@@ -160,6 +161,7 @@ class Engine:
         self.saves += meta.saves
         self.loads += meta.loads
         self.metas.append(meta)
+        self.preempted += sorted(out.preempted_req_ids or ())
         self.scheduled.append(dict(out.num_scheduled_tokens))
         self.check("schedule")
         outputs = [api.runner_output(out, rank.finish()) for rank in self.ranks]
