@@ -52,6 +52,30 @@ class KVDiskConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: losing a save costs a future miss, never correctness
 
+    # -- what kvdisk declares to vLLM 0.33+ (0.32 asks none of these) ------------------
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No: sleep mode releases and remaps the KV cache, and kvdisk's worker holds views
+        of the tensors it registered (it does not implement ``unregister_kv_caches`` /
+        ``restore_kv_caches``). vLLM then refuses ``--enable-sleep-mode`` at start-up;
+        ``compat.check_sleep_mode`` refuses it on vLLM 0.32, which does not ask."""
+        return False
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        """No: kvdisk keys checkpoints by token ids, never by vLLM's block hashes, and a
+        checkpoint ends on a block boundary (vLLM then keeps its EAGLE trailing-block
+        drop, the behaviour kvdisk was built against)."""
+        return False
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """In-process torch copies only (no RDMA registration, no exported handles): any
+        KV cache allocation works."""
+        from vllm.config.kv_transfer import KVCacheAccess  # vLLM >= 0.33
+
+        return KVCacheAccess.IN_PROCESS
+
     # -- both roles -------------------------------------------------------------------
     def get_kv_connector_stats(self) -> Any:
         return (self._sched or self._worker).get_kv_connector_stats()
@@ -132,6 +156,9 @@ class KVDiskConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def may_load_async(self, request: Any) -> bool:
+        return self._sched.may_load_async(request)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)

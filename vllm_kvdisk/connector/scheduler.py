@@ -201,6 +201,16 @@ class SchedulerSide:
             return 0, False
         return hit - num_computed_tokens, True
 
+    def may_load_async(self, request: Any) -> bool:
+        """vLLM 0.33+, as a request enters the waiting queues: may it start a disk load
+        while the running batch is full (``--max-num-inflight-kv-loads``)? Every kvdisk
+        load is asynchronous, so: yes when the disk holds a hit beyond what the request has
+        computed. The answer is ``get_num_new_matched_tokens``' own memoized lookup (its
+        next call from the same point costs nothing). A hit the GPU prefix cache also
+        holds is a false positive: vLLM then admits the request when a slot frees."""
+        hit, _ = self.get_num_new_matched_tokens(request, request.num_computed_tokens)
+        return bool(hit)
+
     def _trim(self, st: RequestState, num_computed: int) -> None:
         """A hybrid model's hit needs the window before it in every window group, and a
         stored state at its end in every state group."""

@@ -18,6 +18,7 @@ from vllm_kvdisk.core.compat import (
     UnsupportedConfig,
     check_context_parallel,
     check_kv_dtype,
+    check_sleep_mode,
     groups_signature,
     kv_dtype_identity,
     kv_groups,
@@ -62,6 +63,7 @@ def engine_fingerprint(
         getattr(parallel, "decode_context_parallel_size", 1),
         getattr(parallel, "prefill_context_parallel_size", 1),
     )
+    check_sleep_mode(bool(getattr(vllm_config.model_config, "enable_sleep_mode", False)))
     check_kv_dtype(str(cache.cache_dtype))  # before the tensor dtype: int8 has no name
     infos = [
         group_info(g.kv_cache_spec, len(g.layer_names)) for g in kv_cache_config.kv_cache_groups
@@ -76,6 +78,9 @@ def engine_fingerprint(
         if kind.kind != GroupKind.STATE
     )
     head_v = getattr(spec, "head_size_v", None) or spec.head_size
+    # vLLM 0.34: a spec may group each KV head's K and V slots together (another page
+    # order for the same shape); only then does the layout name say so.
+    head_major = "/HKV" if getattr(spec, "kv_head_major_slots", False) else ""
     try:
         layout = str(cache.get_resolved_kv_cache_layout().name)
     except Exception:  # noqa: BLE001 - older/newer vLLM: the platform still tells it apart
@@ -106,7 +111,7 @@ def engine_fingerprint(
         revision=revision,
         kv_dtype=kv_dtype,
         layout=f"{current_platform.device_type}:{layout}/"
-        f"L{len(names)}xH{spec.num_kv_heads}xC{spec.head_size + head_v}"
+        f"L{len(names)}xH{spec.num_kv_heads}xC{spec.head_size + head_v}{head_major}"
         + groups_signature(groups, states),
         block_size=spec.block_size,
         tp_size=tp_size,

@@ -78,6 +78,19 @@ def kv_dtype_identity(
     return ident
 
 
+def check_sleep_mode(enabled: bool) -> None:
+    """Sleep mode releases the KV cache memory and remaps it on wake-up, while kvdisk's
+    worker threads hold views of the tensors it registered and copy pages after a step.
+    vLLM 0.33+ refuses the pair itself (``supports_sleep_mode`` is False); 0.32 does not
+    ask, so kvdisk refuses it here."""
+    if enabled:
+        raise UnsupportedConfig(
+            "kvdisk: --enable-sleep-mode releases and remaps the KV cache, which kvdisk's "
+            "copies (views of the registered tensors) do not follow. Run without sleep "
+            "mode, or without kvdisk."
+        )
+
+
 def check_context_parallel(dcp_size: int, pcp_size: int) -> None:
     if dcp_size > 1 or pcp_size > 1:
         which = (
