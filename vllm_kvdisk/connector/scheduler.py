@@ -184,7 +184,9 @@ class SchedulerSide:
             self._refresh(st.ns)
             ids = as_token_array(request.prompt_token_ids[:usable])
             st.memo, st.memo_key, st.memo_ids = (
-                self.planner.lookup(st.ns, ids, usable),
+                self.planner.lookup(
+                    st.ns, ids, usable, self.store.peers(st.scope.lora, st.scope.salt_digest)
+                ),
                 memo_key,
                 ids,
             )

@@ -77,6 +77,8 @@ class NamespaceDir:
     fd: int
     group: str | None = None  # its TP group (keys.rank_group), once read
     group_read: bool = False
+    tenant: tuple[str, str] | None = None  # (lora, salt digest), once read
+    tenant_read: bool = False
 
 
 class Directory:
@@ -225,6 +227,21 @@ class Directory:
                 if state.group is not None:
                     out[ns] = state.group
         return out
+
+    def tenant(self, ns: str) -> tuple[str, str] | None:
+        """(LoRA adapter, salt digest) of a namespace, as its ``namespace.json`` says (read
+        once per directory); None when it says nothing we understand."""
+        with self._mutex:
+            state = self.namespace(ns)
+            if state is None:
+                return None
+            if not state.tenant_read:
+                info, present = self.info(ns)
+                lora, salt = (info or {}).get("lora"), (info or {}).get("salt_digest")
+                ok = isinstance(lora, str) and isinstance(salt, str)
+                state.tenant = (lora, salt) if ok else None  # type: ignore[assignment]
+                state.tenant_read = present
+            return state.tenant
 
     # -- files ------------------------------------------------------------------------
     def open_file(self, ns: str, sha1: str, *, writable: bool = False) -> int:

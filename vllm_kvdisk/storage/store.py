@@ -217,6 +217,14 @@ class Store:
         ours: see ``directory.parse_namespace_info``)."""
         return self.directory.info(ns)[0]
 
+    def peers(self, lora: str, salt_digest: str) -> Callable[[str], bool]:
+        """Which namespaces a lookup of this scope may compare a prompt with, to explain a
+        miss: those whose ``namespace.json`` names the same LoRA adapter and salt digest
+        (another model, layout or dtype of the same tenant). Another salt's files never
+        are: a miss reason naming them would confirm that tenant's prompts."""
+        mine = (lora, salt_digest)
+        return lambda other: self.directory.tenant(other) == mine
+
     def rank_groups(self) -> dict[str, str]:
         """Indexed namespace -> TP group, for namespaces of engines with TP > 1."""
         with self._mutex:
