@@ -32,3 +32,38 @@ def test_a_miss_never_names_another_salts_namespace(tmp_path):
     assert got_lora.miss is Miss.NO_CHECKPOINT
     same_tenant = look(ns_a2, p.ids, 399, store.peers("", salt_a))
     assert same_tenant.miss is Miss.OTHER_NAMESPACE and same_tenant.other_namespaces == (ns_a,)
+
+
+HOSTILE = "\x1b]0;owned\x07\x1b]52;c;cm0gLXJmIH4=\x07\x1b[8mhidden\x1b[0m\x9b31m\x7f\u202e"
+
+
+def test_the_cli_prints_client_text_escaped(tmp_path, capsys):
+    """A prompt, a tool id and a namespace description with ESC / OSC / CSI / C1 / DEL /
+    bidi characters: ``ls``, ``inspect`` and ``verify`` never print one raw."""
+    from synth import prompt_of
+
+    from vllm_kvdisk.ops.cli import main
+
+    store = Store(str(tmp_path / "kv"), space_bytes=1 << 30)
+    fp = Fingerprint("m" + HOSTILE, "main", "float32", FP.layout, 16, 1, 0, lora="l" + HOSTILE)
+    ns = store.ensure_namespace(fp)
+    p = prompt_of(list(("System: " + HOSTILE + " be kind. ").encode() * 8))
+    plan, _ = save(store, ns, p, 112, np.random.default_rng(0), tool_map=[(HOSTILE, "{}")])
+    outputs = []
+    for argv in (
+        ["ls", store.root],
+        ["ls", store.root, "--json"],
+        ["inspect", store.path(ns, plan.sha1)],
+        ["inspect", store.path(ns, plan.sha1), "--json"],
+        ["stats", store.root],
+        ["verify", store.root],
+    ):
+        assert main(argv) == 0, argv
+        out = capsys.readouterr()
+        outputs.append((argv, out.out + out.err))
+    for argv, text in outputs:
+        raw = [c for c in "\x1b\x07\x9b\x7f\u202e" if c in text]
+        assert not raw, (argv, raw)
+    ls, inspect = outputs[0][1], outputs[2][1]
+    assert "\\x1b]0;owned\\x07" in ls and "\\x1b[8mhidden" in ls  # shown, as escapes
+    assert "\\x1b]52;c;" in inspect and "\\x9b31m\\x7f\\u202e" in inspect
