@@ -67,3 +67,20 @@ def test_the_cli_prints_client_text_escaped(tmp_path, capsys):
     ls, inspect = outputs[0][1], outputs[2][1]
     assert "\\x1b]0;owned\\x07" in ls and "\\x1b[8mhidden" in ls  # shown, as escapes
     assert "\\x1b]52;c;" in inspect and "\\x9b31m\\x7f\\u202e" in inspect
+
+
+def test_parents_of_the_cache_and_the_trace_are_private_under_umask_000(tmp_path):
+    import os
+    import stat
+
+    from vllm_kvdisk.ops.trace import Trace
+
+    old = os.umask(0)
+    try:
+        Store(str(tmp_path / "a" / "b" / "kv"), space_bytes=1 << 30).close()
+        Trace(str(tmp_path / "t" / "u" / "trace.log"))
+    finally:
+        os.umask(old)
+    for sub in ("a", "a/b", "a/b/kv", "t", "t/u"):
+        assert stat.S_IMODE(os.stat(tmp_path / sub).st_mode) == 0o700, sub
+    assert stat.S_IMODE(os.stat(tmp_path / "t/u/trace.log").st_mode) == 0o600

@@ -104,7 +104,7 @@ class Directory:
         if readonly and not os.path.isdir(self.root):
             return  # nothing there yet: an empty cache
         if not readonly:
-            os.makedirs(self.root, mode=0o700, exist_ok=True)
+            fsdir.make_dirs(self.root)
         fsdir.check_root(self.root, allow_shared=allow_shared_dir or readonly)
         self.fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.drops_cache = fsdir.drops_cache(self.fd)
