@@ -84,3 +84,32 @@ def test_parents_of_the_cache_and_the_trace_are_private_under_umask_000(tmp_path
     for sub in ("a", "a/b", "a/b/kv", "t", "t/u"):
         assert stat.S_IMODE(os.stat(tmp_path / sub).st_mode) == 0o700, sub
     assert stat.S_IMODE(os.stat(tmp_path / "t/u/trace.log").st_mode) == 0o600
+
+
+def test_verify_fix_reports_the_corrupt_file_it_moved(tmp_path, capsys):
+    """A file whose header does not parse is quarantined by the writable scan: ``verify
+    --fix`` says so (it used to scan twice, lose the first scan's finding and print
+    ``0 problem(s), 0 fixed``, exit 0)."""
+    import json
+    import os
+
+    from vllm_kvdisk.ops.cli import main
+
+    store = Store(str(tmp_path / "kv"), space_bytes=1 << 30)
+    ns = store.ensure_namespace(FP)
+    plan, _ = save(store, ns, prompt(5), 112, np.random.default_rng(0))
+    path = store.path(ns, plan.sha1)
+    raw = bytearray(open(path, "rb").read())
+    raw[0] ^= 1  # bad magic
+    open(path, "wb").write(raw)
+    assert main(["verify", store.root, "--fix"]) == 1
+    out = capsys.readouterr().out
+    assert f"{ns}/{plan.sha1}" in out and "(quarantined)" in out and "1 fixed" in out
+    assert not os.path.exists(path) and len(store.quarantined_files()) == 1
+    raw[0] ^= 1
+    raw[-200] ^= 1  # a checksum that fails: found by the full read
+    open(path, "wb").write(raw)
+    assert main(["verify", store.root, "--fix", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["fixed"] == 1 and report["problems"][0]["fixed"] == "quarantined"
+    assert main(["verify", store.root]) == 0

@@ -79,14 +79,15 @@ def _progress(label: str) -> Callable[[int, int], None] | None:
     return update
 
 
-def _open_store(directory: str, *, writable: bool = False) -> Store:
+def _open_store(directory: str, *, writable: bool = False, scan: bool = True) -> Store:
     if not os.path.isdir(directory):
         raise UsageError(f"{directory}: not a directory")
     try:
         store = Store(directory, space_bytes=1 << 62, readonly=not writable, allow_shared_dir=True)
     except OSError as exc:
         raise UsageError(f"{directory}: {exc}") from None
-    store.scan()
+    if scan:
+        store.scan()
     return store
 
 
@@ -315,7 +316,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    store = _open_store(args.dir, writable=args.fix)
+    # verify scans itself: a writable scan quarantines what does not parse, and only the
+    # scan verify runs can report what it moved.
+    store = _open_store(args.dir, writable=args.fix, scan=False)
     report = verify(store, jobs=args.jobs, progress=_progress("verify"))
     if args.json:
         say_json(
@@ -326,7 +329,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 "ok": report.ok,
                 "writing": report.writing,
                 "problems": [
-                    {"ns": p.ns, "sha1": p.sha1, "kind": p.kind, "detail": p.detail}
+                    {
+                        "ns": p.ns,
+                        "sha1": p.sha1,
+                        "kind": p.kind,
+                        "detail": p.detail,
+                        "fixed": p.fixed or None,
+                    }
                     for p in report.problems
                 ],
             },
@@ -334,7 +343,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
     else:
         for p in report.problems:
-            say(f"{p.kind:11} {p.ns}/{p.sha1}: {p.detail}")
+            say(f"{p.kind:11} {p.ns}/{p.sha1}: {p.detail}" + (f" ({p.fixed})" if p.fixed else ""))
         say(
             f"checked {report.checked} files ({human_bytes(report.bytes_checked)}): "
             f"{len(report.problems)} problem(s)"
