@@ -113,3 +113,93 @@ def test_verify_fix_reports_the_corrupt_file_it_moved(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["fixed"] == 1 and report["problems"][0]["fixed"] == "quarantined"
     assert main(["verify", store.root]) == 0
+
+
+def test_salt_digests_are_keyed_with_the_roots_secret(tmp_path):
+    """namespace.json and the directory name say nothing about a guessed salt without
+    ``ROOT/.salt-key`` (0600, made once); every replica of the root reads the same key, so
+    a salt names the same namespace in all of them; unsalted namespaces keep their names."""
+    import hashlib
+    import json
+    import os
+    import stat
+    import threading
+
+    from vllm_kvdisk.core.keys import salt_digest
+
+    root = str(tmp_path / "kv")
+    stores: list[Store] = []
+    barrier = threading.Barrier(4)
+
+    def open_one() -> None:
+        barrier.wait()
+        stores.append(Store(root, space_bytes=1 << 30))
+
+    threads = [threading.Thread(target=open_one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    keys = {s.salt_key for s in stores}
+    assert len(keys) == 1 and len(next(iter(keys))) == 32  # one key, whoever made it
+    key_path = os.path.join(root, ".salt-key")
+    assert stat.S_IMODE(os.stat(key_path).st_mode) == 0o600
+    assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]
+    replica = Store(root, space_bytes=1 << 30)
+    assert replica.salt_key == stores[0].salt_key
+    other_root = Store(str(tmp_path / "other"), space_bytes=1 << 30)
+    assert other_root.salt_key != replica.salt_key
+
+    salt = "tenant-guessable"
+    unkeyed = hashlib.sha256(b"kvdisk-salt\0" + salt.encode()).hexdigest()[:32]
+    digest = salt_digest(salt, key=replica.salt_key)
+    assert digest != unkeyed and digest != salt_digest(salt, key=other_root.salt_key)
+    ns = replica.ensure_namespace(FP.scoped("", digest))
+    guessed = FP.scoped("", unkeyed)  # the offline guess of whoever reads the directory
+    assert ns != guessed.dirname()
+    raw = open(os.path.join(root, ns, "namespace.json"), "rb").read()
+    assert unkeyed.encode() not in raw and json.loads(raw)["salt_keyed"] is True
+    # unsalted namespaces: the name and namespace.json they always had
+    plain = replica.ensure_namespace(FP)
+    assert plain == FP.dirname() and "salt_keyed" not in replica.namespace_info(plain)
+
+
+def test_a_salted_namespace_of_an_earlier_build_is_removed_at_start(tmp_path):
+    """Its name came from the unkeyed digest: no lookup reaches it, and its namespace.json
+    confirms a guessed salt offline. Unsalted and keyed namespaces stay."""
+    import hashlib
+    import json
+    import os
+
+    root = str(tmp_path / "kv")
+    store = Store(root, space_bytes=1 << 30)
+    unkeyed = hashlib.sha256(b"kvdisk-salt\0tenant").hexdigest()[:32]
+    old = FP.scoped("", unkeyed)
+    ns_old = store.ensure_namespace(old)
+    path = os.path.join(root, ns_old, "namespace.json")
+    info = json.load(open(path))
+    del info["salt_keyed"]  # as an earlier build wrote it
+    open(path, "w").write(json.dumps(info))
+    save(store, ns_old, prompt(1), 112, np.random.default_rng(0))
+    ns_plain = store.ensure_namespace(FP)
+    ns_keyed = store.ensure_namespace(FP.scoped("", "c" * 32))
+    fresh = Store(root, space_bytes=1 << 30)
+    fresh.start(background=False)
+    for t in fresh.removing:
+        t.join()
+    assert sorted(fresh.namespaces()) == sorted([ns_plain, ns_keyed])
+    assert not [n for n in os.listdir(root) if n.startswith(".trash-")]
+
+
+def test_a_salt_key_of_the_wrong_size_is_an_error_not_replaced(tmp_path):
+    import pytest
+
+    from vllm_kvdisk.storage.secret import BadSaltKey
+
+    root = tmp_path / "kv"
+    Store(str(root), space_bytes=1 << 30).close()
+    (root / ".salt-key").write_bytes(b"short")
+    with pytest.raises(BadSaltKey, match="5 bytes"):
+        Store(str(root), space_bytes=1 << 30)
+    assert (root / ".salt-key").read_bytes() == b"short"
+    Store(str(root), space_bytes=1 << 30, readonly=True).close()  # the tools need no key

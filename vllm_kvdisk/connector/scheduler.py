@@ -144,7 +144,9 @@ class SchedulerSide:
             lora = getattr(request, "lora_request", None)
             scope = Scope(
                 lora=(getattr(lora, "lora_name", "") or "") if lora else "",
-                salt_digest=salt_digest(getattr(request, "cache_salt", None)),
+                salt_digest=salt_digest(
+                    getattr(request, "cache_salt", None), key=self.store.salt_key
+                ),
             )
             control = RequestControl.from_request(request)
             st = RequestState(request, scope, self._ns(scope), control)

@@ -8,6 +8,7 @@ Layout of ``root`` (0700 directories, 0600 files)::
     root/.trash-<namespace>-*         a namespace renamed away, being deleted
     root/quarantine/                  files proven corrupt, with a .why note each
     root/.lock                        serialises name changes between processes (``lock``)
+    root/.salt-key                    the key of every cache salt's digest (``secret``)
 
 * Every namespace is opened once, by descriptor, and reopened when its name is another
   directory now (renamed away, replaced): whoever keeps an index of it is told
@@ -185,8 +186,13 @@ class Directory:
             try:
                 os.stat("namespace.json", dir_fd=state.fd, follow_symlinks=False)
             except FileNotFoundError:
+                # salt_keyed: the salt digest is keyed (``secret``); an unkeyed one is of an
+                # earlier build, and its namespace is removed at start (``Store.start``).
+                keyed = {"salt_keyed": True} if fp.salt_digest else {}
                 body = json.dumps(
-                    {"digest": fp.digest().hex(), **fp.describe()}, indent=1, sort_keys=True
+                    {"digest": fp.digest().hex(), **fp.describe(), **keyed},
+                    indent=1,
+                    sort_keys=True,
                 ).encode()
                 fsdir.write_atomic(state.fd, "namespace.json", [body])
         return ns

@@ -54,7 +54,7 @@ from vllm_kvdisk.core.format import HEADER_FIELD_HITS, HEADER_FIELD_LAST_USED, F
 from vllm_kvdisk.core.index import Index
 from vllm_kvdisk.core.keys import Fingerprint
 from vllm_kvdisk.core.logs import get_logger
-from vllm_kvdisk.storage import fsdir
+from vllm_kvdisk.storage import fsdir, secret
 from vllm_kvdisk.storage.budget import Budget
 from vllm_kvdisk.storage.directory import Directory
 from vllm_kvdisk.storage.fileread import Meta, read_meta, read_text, read_token_range
@@ -103,6 +103,12 @@ class Store:
             readonly=readonly,
             allow_shared_dir=allow_shared_dir,
             on_replaced=self._namespace_replaced,
+        )
+        # Keys every cache salt's digest (``secret``); read-only tools name no namespace.
+        self.salt_key = (
+            b""
+            if readonly or self.directory.fd < 0
+            else secret.salt_key(self.directory.fd, create=True)
         )
         self.lock = DirLock(self.directory, lock_timeout_s)
         self.scanner = Scanner(
@@ -184,7 +190,26 @@ class Store:
         self.scanner.scan()
 
     def start(self, *, background: bool = True) -> bool:  # journal, else scan
+        if not self.readonly:
+            self.drop_unkeyed_salts()
         return start_up(self.scanner, self.lock_timeout_s, background=background)
+
+    def drop_unkeyed_salts(self) -> int:
+        """Remove the salted namespaces of builds before the salt key (``namespace.json``
+        without ``salt_keyed``): no lookup reaches them any more (a salt's namespace is
+        named by its keyed digest now), and their unkeyed digest confirms a guessed salt
+        to whoever reads the directory. Returns the namespaces removed."""
+        removed = 0
+        for ns in self.namespaces():
+            info = self.namespace_info(ns)
+            if info is None or not info.get("salt_digest") or info.get("salt_keyed") is True:
+                continue
+            log.warning(
+                "kvdisk: removing %s/%s: a cache salt's digest without a key", self.root, ns
+            )
+            self.remove_namespace(ns, wait=False)
+            removed += 1
+        return removed
 
     def refresh(self, ns: str, *, force: bool = False) -> bool:
         return self.scanner.refresh(ns, force=force)
