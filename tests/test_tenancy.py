@@ -203,3 +203,97 @@ def test_a_salt_key_of_the_wrong_size_is_an_error_not_replaced(tmp_path):
         Store(str(root), space_bytes=1 << 30)
     assert (root / ".salt-key").read_bytes() == b"short"
     Store(str(root), space_bytes=1 << 30, readonly=True).close()  # the tools need no key
+
+
+def _fds() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_400_salts_cost_a_bounded_number_of_descriptors(tmp_path):
+    """Every namespace used to keep a descriptor open for the life of the process: 40
+    salts added 40 descriptors to each process, 400 exhausted a low RLIMIT_NOFILE."""
+    root = str(tmp_path / "kv")
+    bound = 48  # 32 namespace descriptors at most, the root, lock, journal and a few more
+    before = _fds()
+    store = Store(root, space_bytes=1 << 30)
+    rng = np.random.default_rng(0)
+    p = prompt(2)
+    names = []
+    for i in range(400):
+        ns = store.ensure_namespace(FP.scoped("", f"{i:032x}"))
+        names.append(ns)
+        if i % 40 == 0:
+            save(store, ns, p, 48, rng)
+    for ns in names:
+        store.refresh(ns, force=True)
+    assert store.peers("", f"{0:032x}")(names[0]) and not store.peers("", f"{0:032x}")(names[40])
+    assert len(store.index) == 10
+    assert _fds() - before <= bound
+    fresh = Store(root, space_bytes=1 << 30)
+    fresh.start(background=False)
+    assert len(fresh.index) == 10 and _fds() - before <= 2 * bound
+
+
+START_UNDER_A_LOW_LIMIT = """
+import resource, socket, sys
+sys.path.insert(0, {tests!r})
+from vllm_kvdisk.storage.store import Store
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+store = Store({root!r}, space_bytes=1 << 30)
+store.start(background=False)
+for ns in store.namespaces():
+    store.refresh(ns, force=True)
+socket.socket().close()  # the process can still open sockets
+print(len(store.namespaces()))
+"""
+
+
+def test_a_store_starts_on_400_empty_namespaces_under_a_low_descriptor_limit(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = str(tmp_path / "kv")
+    store = Store(root, space_bytes=1 << 30)
+    for i in range(400):
+        store.ensure_namespace(FP.scoped("", f"{i:032x}"))
+    store.close()
+    code = START_UNDER_A_LOW_LIMIT.format(root=root, tests=os.path.dirname(__file__))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["400"]  # fresh: kept (a saver may be about to use one)
+
+
+def test_empty_namespaces_are_removed_when_unchanged_for_a_while(tmp_path):
+    import os
+
+    root = str(tmp_path / "kv")
+    store = Store(root, space_bytes=1 << 30)
+    empty = [store.ensure_namespace(FP.scoped("", f"{i:032x}")) for i in range(5)]
+    full = store.ensure_namespace(FP.scoped("", "f" * 32))
+    save(store, full, prompt(6), 48, np.random.default_rng(0))
+    old = os.stat(store.ns_dir(full)).st_mtime - 3600
+    for ns in empty[:4] + [full]:
+        os.utime(store.ns_dir(ns), (old, old))
+    os.mkdir(os.path.join(store.ns_dir(empty[3]), "x"))  # not ours to judge: kept
+    os.utime(store.ns_dir(empty[3]), (old, old))
+    fresh = Store(root, space_bytes=1 << 30)
+    fresh.start(background=False)
+    assert sorted(fresh.namespaces()) == sorted([empty[3], empty[4], full])
+    assert len(fresh.index) == 1
+    assert not [n for n in os.listdir(root) if n.startswith(".trash-")]
+
+
+def test_a_save_past_the_namespace_cap_is_skipped(tmp_path):
+    import pytest
+
+    from vllm_kvdisk.storage.budget import SaveSkipped
+
+    store = Store(str(tmp_path / "kv"), space_bytes=1 << 30, max_namespaces=3)
+    names = [store.ensure_namespace(FP.scoped("", f"{i:032x}")) for i in range(3)]
+    assert store.ensure_namespace(FP.scoped("", f"{1:032x}")) == names[1]  # one it has
+    with pytest.raises(SaveSkipped) as skipped:
+        store.ensure_namespace(FP.scoped("", "e" * 32))
+    assert skipped.value.reason == "namespace_cap" and len(store.namespaces()) == 3

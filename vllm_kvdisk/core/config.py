@@ -130,6 +130,13 @@ class KVDiskConfig:
         minimum=1,
         unit="s",
     )
+    kv_disk_max_namespaces: int = knob(
+        4096,
+        "most namespaces (model x layout x LoRA adapter x cache salt) in the cache "
+        "directory; a save that would make one more is skipped "
+        '(saves_skipped{reason="namespace_cap"}); empty ones are removed at start-up',
+        minimum=1,
+    )
     kv_disk_allow_shared_dir: bool = knob(
         False,
         "accept a cache directory writable by its group/everyone or owned by another "

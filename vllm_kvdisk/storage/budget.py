@@ -40,7 +40,15 @@ from vllm_kvdisk.storage.stats import StoreStats
 
 RECHECKS = 4  # eviction plans made again after a victim was not its entry's file
 
-SKIP_REASONS = ("no_space", "lock_timeout", "parent_gone", "namespace_removed", "busy", "exists")
+SKIP_REASONS = (
+    "no_space",
+    "lock_timeout",
+    "parent_gone",
+    "namespace_removed",
+    "busy",
+    "exists",
+    "namespace_cap",
+)
 
 
 class SaveSkipped(Exception):

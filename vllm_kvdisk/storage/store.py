@@ -55,8 +55,8 @@ from vllm_kvdisk.core.index import Index
 from vllm_kvdisk.core.keys import Fingerprint
 from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.storage import fsdir, secret
-from vllm_kvdisk.storage.budget import Budget
-from vllm_kvdisk.storage.directory import Directory
+from vllm_kvdisk.storage.budget import Budget, SaveSkipped
+from vllm_kvdisk.storage.directory import MAX_NAMESPACES, Directory, TooManyNamespaces
 from vllm_kvdisk.storage.fileread import Meta, read_meta, read_text, read_token_range
 from vllm_kvdisk.storage.lock import LOCK_TIMEOUT_S, DirLock
 from vllm_kvdisk.storage.quarantine import Quarantine
@@ -67,6 +67,7 @@ from vllm_kvdisk.storage.stats import StoreStats
 log = get_logger(__name__)
 
 IDS_CACHE_BYTES = 64 << 20
+EMPTY_NAMESPACE_AGE_S = 600.0  # an empty namespace unchanged this long is removed
 
 
 class Store:
@@ -83,6 +84,7 @@ class Store:
         allow_shared_dir: bool = False,
         lock_timeout_s: float = LOCK_TIMEOUT_S,
         quarantine_max_bytes: int | None = None,
+        max_namespaces: int = MAX_NAMESPACES,
     ):
         self.clock = clock
         self.index = Index()
@@ -103,6 +105,7 @@ class Store:
             readonly=readonly,
             allow_shared_dir=allow_shared_dir,
             on_replaced=self._namespace_replaced,
+            max_namespaces=max_namespaces,
         )
         # Keys every cache salt's digest (``secret``); read-only tools name no namespace.
         self.salt_key = (
@@ -145,6 +148,7 @@ class Store:
             min_free_bytes=config.min_free_bytes,
             allow_shared_dir=config.kv_disk_allow_shared_dir,
             lock_timeout_s=config.kv_disk_lock_timeout_s,
+            max_namespaces=config.kv_disk_max_namespaces,
             **kwargs,
         )
 
@@ -192,7 +196,34 @@ class Store:
     def start(self, *, background: bool = True) -> bool:  # journal, else scan
         if not self.readonly:
             self.drop_unkeyed_salts()
+            self.remove_empty_namespaces()
         return start_up(self.scanner, self.lock_timeout_s, background=background)
+
+    def remove_empty_namespaces(self, min_age_s: float = EMPTY_NAMESPACE_AGE_S) -> int:
+        """Remove namespaces that hold nothing but ``namespace.json`` and have not changed
+        for ``min_age_s``: every cache salt ever seen leaves one behind when its files are
+        evicted. Judged again and renamed away under the lock, where every save lands its
+        file (a saver whose directory went skips that save, ``namespace_removed``; one that
+        is writing has a temp file there, so the namespace is not empty). Returns the
+        namespaces removed."""
+        if self.readonly:
+            return 0
+        removed = 0
+        for ns in self.namespaces():
+            before = time.time() - min_age_s
+            if not self.directory.empty(ns, before):
+                continue
+            with self.lock.hold(), self._mutex:
+                if not self.directory.empty(ns, before):
+                    continue
+                trash = self.directory.rename_away(ns, int(self.clock() * 1000))
+                if trash is None:
+                    continue
+                self.directory.namespace(ns)  # forget it
+                self.scanner.names_changed(gone=[ns])
+            self.directory.delete_tree(trash)
+            removed += 1
+        return removed
 
     def drop_unkeyed_salts(self) -> int:
         """Remove the salted namespaces of builds before the salt key (``namespace.json``
@@ -235,7 +266,10 @@ class Store:
         return self.directory.namespaces()
 
     def ensure_namespace(self, fp: Fingerprint) -> str:
-        return self.directory.ensure(fp)
+        try:
+            return self.directory.ensure(fp)
+        except TooManyNamespaces as exc:
+            raise SaveSkipped("namespace_cap", str(exc)) from None
 
     def namespace_info(self, ns: str) -> dict[str, Any] | None:
         """What ``namespace.json`` says the namespace is (None if absent, unreadable or not
