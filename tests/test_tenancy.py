@@ -297,3 +297,58 @@ def test_a_save_past_the_namespace_cap_is_skipped(tmp_path):
     with pytest.raises(SaveSkipped) as skipped:
         store.ensure_namespace(FP.scoped("", "e" * 32))
     assert skipped.value.reason == "namespace_cap" and len(store.namespaces()) == 3
+
+
+def test_with_a_namespace_share_the_tenant_over_it_loses_its_own_files_first():
+    from vllm_kvdisk.core.entry import Entry
+    from vllm_kvdisk.core.eviction import plan_eviction
+    from vllm_kvdisk.core.format import Reason
+    from vllm_kvdisk.core.index import Index
+
+    def entry(ns, sha1, last_used, size=100):
+        return Entry(ns, sha1, 48, None, 0, Reason.COLD, 0, 0, last_used, size, 0, 0)
+
+    idx = Index()
+    idx.add(entry("quiet", "q-old", 1))  # the least recently used file of all
+    idx.add(entry("quiet", "q-new", 2))
+    for i in range(8):
+        idx.add(entry("loud", f"l{i}", 10 + i))
+    # without a share: least recently used first, whoever's
+    assert [e.sha1 for e in plan_eviction(idx, 200, now=100)] == ["q-old", "q-new"]
+    # a share of 300 bytes each: "loud" holds 800, so it pays, oldest first
+    plan = plan_eviction(idx, 200, now=100, share_bytes=300)
+    assert [e.sha1 for e in plan] == ["l0", "l1"]
+    # down to its share, "loud" is back in the common order
+    plan = plan_eviction(idx, 700, now=100, share_bytes=300)
+    assert [e.sha1 for e in plan[:5]] == ["l0", "l1", "l2", "l3", "l4"]
+    assert [e.sha1 for e in plan[5:]] == ["q-old", "q-new"]
+    # the file being added counts: a namespace that it pushes over its share pays
+    idx = Index()
+    idx.add(entry("a", "a1", 1))
+    idx.add(entry("b", "b1", 5))
+    assert [e.sha1 for e in plan_eviction(idx, 100, now=100, share_bytes=150)] == ["a1"]
+    adding = [entry("b", "b2", 50)]
+    plan = plan_eviction(idx, 100, now=100, adding=adding, share_bytes=150)
+    assert [e.sha1 for e in plan] == ["b1"]
+
+
+def test_a_store_with_a_namespace_share_keeps_the_quiet_tenants_files(tmp_path):
+    """One tenant saving without end used to evict every other tenant's checkpoints (one
+    global least-recently-used order); with a 50% share its own go first."""
+    quiet_fp, loud_fp = FP.scoped("", "a" * 32), FP.scoped("", "b" * 32)
+    probe = Store(str(tmp_path / "probe"), space_bytes=1 << 30)
+    ns = probe.ensure_namespace(FP)
+    one = save(probe, ns, prompt(0), 48, np.random.default_rng(0))[0]
+    size = probe.index.get(ns, one.sha1).size
+    for share, quiet_kept in ((0, 0), (50, 3)):
+        store = Store(
+            str(tmp_path / f"kv{share}"), space_bytes=10 * size, namespace_share_pct=share
+        )
+        quiet, loud = store.ensure_namespace(quiet_fp), store.ensure_namespace(loud_fp)
+        rng = np.random.default_rng(0)
+        for i in range(3):
+            save(store, quiet, prompt(100 + i), 48, rng, now=1_000 + i)
+        for i in range(20):
+            save(store, loud, prompt(200 + i), 48, rng, now=2_000 + i)
+        assert len(store.index.namespace_entries(quiet)) == quiet_kept, share
+        assert store.index.total_bytes <= store.space_bytes

@@ -85,6 +85,7 @@ class Store:
         lock_timeout_s: float = LOCK_TIMEOUT_S,
         quarantine_max_bytes: int | None = None,
         max_namespaces: int = MAX_NAMESPACES,
+        namespace_share_pct: int = 0,
     ):
         self.clock = clock
         self.index = Index()
@@ -135,6 +136,7 @@ class Store:
             clock=clock,
             statvfs=statvfs,
             on_evict=on_evict,
+            namespace_share_pct=namespace_share_pct,
         )
         self._quarantined = Quarantine(self.directory.fd, self.quarantine_max_bytes, clock)
 
@@ -149,6 +151,7 @@ class Store:
             allow_shared_dir=config.kv_disk_allow_shared_dir,
             lock_timeout_s=config.kv_disk_lock_timeout_s,
             max_namespaces=config.kv_disk_max_namespaces,
+            namespace_share_pct=config.kv_disk_namespace_share_pct,
             **kwargs,
         )
 
