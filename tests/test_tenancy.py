@@ -352,3 +352,19 @@ def test_a_store_with_a_namespace_share_keeps_the_quiet_tenants_files(tmp_path):
             save(store, loud, prompt(200 + i), 48, rng, now=2_000 + i)
         assert len(store.index.namespace_entries(quiet)) == quiet_kept, share
         assert store.index.total_bytes <= store.space_bytes
+
+
+def test_kvdisk_gc_removes_empty_namespaces(tmp_path, capsys):
+    import json
+    import os
+
+    from vllm_kvdisk.ops.cli import main
+
+    store = Store(str(tmp_path / "kv"), space_bytes=1 << 30)
+    names = [store.ensure_namespace(FP.scoped("", f"{i:032x}")) for i in range(3)]
+    old = os.stat(store.root).st_mtime - 3600
+    for ns in names[:2]:
+        os.utime(store.ns_dir(ns), (old, old))
+    assert main(["gc", store.root, "--to-mb", "100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["empty_namespaces_removed"] == 2
+    assert store.namespaces() == [names[2]]

@@ -358,10 +358,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
     before = store.index.total_bytes
     removed = store.gc_to(args.to_mb * 1024 * 1024, dry_run=args.dry_run)
     after = before - sum(e.size for e in removed)
+    # namespaces left with nothing in them for a while (every cache salt ever seen)
+    emptied = 0 if args.dry_run else store.remove_empty_namespaces()
     if args.json:
         say_json(
             {
                 "removed": len(removed),
+                "empty_namespaces_removed": emptied,
                 "bytes_before": before,
                 "bytes_after": after,
                 "dry_run": args.dry_run,
@@ -372,7 +375,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
         verb = "would remove" if args.dry_run else "removed"
         for e in removed if args.dry_run else ():
             say(f"{e.ns}/{e.sha1}.kv {human_bytes(e.size)}")
-        say(f"{verb} {len(removed)} file(s): {human_bytes(before)} -> {human_bytes(after)}")
+        say(
+            f"{verb} {len(removed)} file(s): {human_bytes(before)} -> {human_bytes(after)}"
+            + (f"; {emptied} empty namespace(s) removed" if emptied else "")
+        )
     return 0
 
 

@@ -317,8 +317,9 @@ class Directory:
             if not state.tenant_read:
                 info, present = self.info(ns)
                 lora, salt = (info or {}).get("lora"), (info or {}).get("salt_digest")
-                ok = isinstance(lora, str) and isinstance(salt, str)
-                state.tenant = (lora, salt) if ok else None  # type: ignore[assignment]
+                state.tenant = (
+                    (lora, salt) if isinstance(lora, str) and isinstance(salt, str) else None
+                )
                 state.tenant_read = present
             return state.tenant
 
