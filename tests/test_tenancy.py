@@ -368,3 +368,19 @@ def test_kvdisk_gc_removes_empty_namespaces(tmp_path, capsys):
     assert main(["gc", store.root, "--to-mb", "100", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["empty_namespaces_removed"] == 2
     assert store.namespaces() == [names[2]]
+
+
+def test_a_start_while_another_replica_holds_the_lock_leaves_the_tidying_for_later(tmp_path):
+    import os
+
+    root = str(tmp_path / "kv")
+    holder = Store(root, space_bytes=1 << 30)
+    ns = holder.ensure_namespace(FP.scoped("", "a" * 32))
+    old = os.stat(root).st_mtime - 3600
+    os.utime(holder.ns_dir(ns), (old, old))
+    with holder.lock.hold():
+        fresh = Store(root, space_bytes=1 << 30, lock_timeout_s=0.2)
+        fresh.start(background=False)  # no LockTimeout out of the start
+        assert fresh.namespaces() == [ns]
+    fresh.start(background=False)
+    assert fresh.namespaces() == []

@@ -198,8 +198,11 @@ class Store:
 
     def start(self, *, background: bool = True) -> bool:  # journal, else scan
         if not self.readonly:
-            self.drop_unkeyed_salts()
-            self.remove_empty_namespaces()
+            try:
+                self.drop_unkeyed_salts()
+                self.remove_empty_namespaces()
+            except (fsdir.LockTimeout, OSError) as exc:  # housekeeping: a later start retries
+                log.warning("kvdisk: namespaces of %s not tidied now: %s", self.root, exc)
         return start_up(self.scanner, self.lock_timeout_s, background=background)
 
     def remove_empty_namespaces(self, min_age_s: float = EMPTY_NAMESPACE_AGE_S) -> int:
