@@ -148,7 +148,7 @@ class Disk:
         self.reads += 1
         return self.stored[entry.sha1][start:stop]
 
-    def lookup(self, ids, limit=None, ns="n", include_pending=False):
+    def lookup(self, ids, limit=None, ns="n", include_pending=False, peers=None):
         return self.index.lookup(
             ns,
             ids,
@@ -156,4 +156,5 @@ class Disk:
             BLOCK,
             self.read,
             include_pending=include_pending,
+            peers=peers,
         )

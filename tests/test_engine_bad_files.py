@@ -76,16 +76,21 @@ def test_checkpoint_of_another_model_is_a_miss(tiny_model, other_model, tmp_path
 
 
 def test_other_cache_salt_is_a_miss_and_same_salt_hits(tiny_model, tmp_path):
-    kv = str(tmp_path / "kv")
+    kv, trace = str(tmp_path / "kv"), str(tmp_path / "trace.txt")
     prompt = random_prompt(1000, seed=8)
     with engine(tiny_model, kv) as llm:
         generate(llm, prompt, salt="tenant-a")
-        llm.reset_prefix_cache()
+    # A new engine indexes tenant-a's file at start: its lookups see it from the first one.
+    with engine(tiny_model, kv, trace=trace) as llm:
         _, cached_b = generate(llm, prompt, salt="tenant-b")
         llm.reset_prefix_cache()
         _, cached_none = generate(llm, prompt)
         llm.reset_prefix_cache()
         _, cached_a = generate(llm, prompt, salt="tenant-a")
     assert (cached_b, cached_none, cached_a) == (0, 0, 896)
+    # The misses of another salt and of no salt read as for a prompt nobody stored: a
+    # reason naming tenant-a's namespace would confirm its prompt to them.
+    misses = [e.detail for e in events(trace, "miss")]
+    assert len(misses) == 2 and all(m.startswith("no checkpoint") for m in misses), misses
     for path in kv_files(kv):
         assert b"tenant" not in open(path, "rb").read()  # the salt itself is never stored

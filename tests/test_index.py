@@ -83,8 +83,13 @@ def test_other_namespace_and_pending_saves():
     d = Disk()
     a = ids_of(7)
     d.add("x", a, 64, ns="other")
-    got = d.lookup(a)
+    got = d.lookup(a, peers=lambda other: other == "other")
     assert got.miss is Miss.OTHER_NAMESPACE and got.other_namespaces == ("other",)
+    # a namespace the caller does not name as a peer (another tenant's) is never compared
+    got = d.lookup(a)
+    assert got.miss is Miss.NO_CHECKPOINT and got.other_namespaces == ()
+    got = d.lookup(a, peers=lambda other: False)
+    assert got.miss is Miss.NO_CHECKPOINT and got.other_namespaces == ()
     e = Entry(
         "n",
         "p",

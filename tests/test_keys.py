@@ -11,6 +11,8 @@ from vllm_kvdisk.core.keys import (
 )
 from vllm_kvdisk.core.tokens import TokenTable
 
+KEY = bytes(range(32))  # a cache directory's salt key (storage/secret.py)
+
 
 def test_render_is_exact_bytes_including_broken_utf8():
     table = byte_table()
@@ -54,12 +56,14 @@ def test_namespaces_separate_models_salts_and_layouts():
         Fingerprint("m", "r", "bfloat16", "cpu:LBHNC", 128, 1, 0),
         Fingerprint("m", "r", "float32", "cuda:NHD", 128, 1, 0),
         Fingerprint("m", "r", "float32", "cpu:LBHNC", 16, 1, 0),
-        Fingerprint("m", "r", "float32", "cpu:LBHNC", 128, 1, 0, salt_digest=salt_digest("s")),
+        Fingerprint(
+            "m", "r", "float32", "cpu:LBHNC", 128, 1, 0, salt_digest=salt_digest("s", key=KEY)
+        ),
         Fingerprint("m", "r", "float32", "cpu:LBHNC", 128, 1, 0, lora="adapter"),
     ]
     names = {base.dirname()} | {v.dirname() for v in variants}
     assert len(names) == 7
-    assert salt_digest(None) == "" and "s" not in salt_digest("s")
+    assert salt_digest(None, key=KEY) == "" and "s" not in salt_digest("s", key=KEY)
 
 
 def test_a_scope_names_one_namespace_per_engine_rank():
@@ -67,7 +71,7 @@ def test_a_scope_names_one_namespace_per_engine_rank():
     their rank's engine fingerprint, and its directory name."""
     rank0 = Fingerprint("m", "r", "float32", "cpu:LBHNC", 128, 2, 0)
     rank1 = Fingerprint("m", "r", "float32", "cpu:LBHNC", 128, 2, 1)
-    salt = salt_digest("tenant")
+    salt = salt_digest("tenant", key=KEY)
     scoped = Namespaces(rank0).fingerprint("adapter", salt)
     assert scoped == Fingerprint(
         "m", "r", "float32", "cpu:LBHNC", 128, 2, 0, lora="adapter", salt_digest=salt
@@ -110,5 +114,7 @@ def test_a_salt_with_a_lone_surrogate_has_a_digest_of_its_own():
     in every hook of that request."""
     from vllm_kvdisk.core.keys import salt_digest
 
-    assert salt_digest("\ud800") != salt_digest("\ud801") != salt_digest("")
-    assert salt_digest("a\ud800") == salt_digest("a\ud800")
+    assert (
+        salt_digest("\ud800", key=KEY) != salt_digest("\ud801", key=KEY) != salt_digest("", key=KEY)
+    )
+    assert salt_digest("a\ud800", key=KEY) == salt_digest("a\ud800", key=KEY)

@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         if default is not None:
             help_text += f" (default: {default}{f.metadata.get('unit') or ''})"
         help_text += f" [{env_of(name)}]"
+        help_text = help_text.replace("%", "%%")  # argparse formats help with %
         flag = flag_of(name)
         if f.type == "bool":
             parser.add_argument(

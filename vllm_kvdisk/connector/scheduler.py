@@ -147,7 +147,9 @@ class SchedulerSide:
             lora = getattr(request, "lora_request", None)
             scope = Scope(
                 lora=(getattr(lora, "lora_name", "") or "") if lora else "",
-                salt_digest=salt_digest(getattr(request, "cache_salt", None)),
+                salt_digest=salt_digest(
+                    getattr(request, "cache_salt", None), key=self.store.salt_key
+                ),
             )
             control = RequestControl.from_request(request)
             st = RequestState(request, scope, self._ns(scope), control)
@@ -187,7 +189,9 @@ class SchedulerSide:
             self._refresh(st.ns)
             ids = as_token_array(request.prompt_token_ids[:usable])
             st.memo, st.memo_key, st.memo_ids = (
-                self.planner.lookup(st.ns, ids, usable),
+                self.planner.lookup(
+                    st.ns, ids, usable, self.store.peers(st.scope.lora, st.scope.salt_digest)
+                ),
                 memo_key,
                 ids,
             )

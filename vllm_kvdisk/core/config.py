@@ -163,6 +163,21 @@ class KVDiskConfig:
         False,
         "refuse (HTTP 400) a generation request that names neither a tenant nor a cache_salt",
     )
+    kv_disk_max_namespaces: int = knob(
+        4096,
+        "most namespaces (model x layout x LoRA adapter x cache salt) in the cache "
+        "directory; a save that would make one more is skipped "
+        '(saves_skipped{reason="namespace_cap"}); empty ones are removed at start-up',
+        minimum=1,
+    )
+    kv_disk_namespace_share_pct: int = knob(
+        0,
+        "each namespace's share of the disk budget (0: none): when room is needed, the "
+        "checkpoints of namespaces holding more than their share go first, so one tenant "
+        "(cache salt) cannot flush the others",
+        minimum=0,
+        unit="%",
+    )
     kv_disk_allow_shared_dir: bool = knob(
         False,
         "accept a cache directory writable by its group/everyone or owned by another "
@@ -263,6 +278,10 @@ def load_config(
     kwargs = {name: _coerce(name, value) for name, value in merged.items()}
     kwargs["kv_disk_dir"] = os.path.abspath(os.path.expanduser(kwargs["kv_disk_dir"]))
     config = KVDiskConfig(**kwargs)
+    if config.kv_disk_namespace_share_pct > 100:
+        raise ConfigError(
+            f"kv_disk_namespace_share_pct: at most 100, got {config.kv_disk_namespace_share_pct}"
+        )
     if config.kv_cache_boundary_trim_tokens >= config.kv_cache_boundary_align_tokens:
         raise ConfigError(
             "kv_cache_boundary_trim_tokens must be smaller than kv_cache_boundary_align_tokens "

@@ -7,6 +7,10 @@ Invariants:
 * Scores within a factor ``SCORE_STEP`` are ties, then least recently used goes first (the
   files of one model differ in tokens per byte only by a little text).
 * A checkpoint of a TP engine goes from every rank's namespace at once.
+* With a namespace share (``share_bytes``), leaves of namespaces holding more than their
+  share (counting the files being added) go first, whatever their score: one tenant
+  (cache salt) that fills the budget evicts its own files before anyone else's. A
+  namespace that drops to its share meanwhile falls back into the common order.
 
 Pure: it returns a plan; ``budget`` executes it.
 """
@@ -48,6 +52,7 @@ def plan_eviction(
     protected: Iterable[Key] = (),
     adding: Iterable[Entry] = (),
     groups: Mapping[str, str] | None = None,
+    share_bytes: int = 0,
 ) -> list[Entry]:
     """Leaves of ``index`` to delete, in order, until ``need_bytes`` are freed (or
     nothing is left).
@@ -57,7 +62,9 @@ def plan_eviction(
     process count as children too, and ``protected`` keys are never chosen.
     ``groups``: namespace -> its TP group (the namespaces of one engine's ranks): a
     checkpoint goes from every rank's namespace at once, so no rank keeps a file that
-    can never load without its siblings (where a sibling is a leaf too)."""
+    can never load without its siblings (where a sibling is a leaf too).
+    ``share_bytes``: each namespace's share of the budget (0: none); leaves of
+    namespaces over it are chosen first."""
     if need_bytes <= 0:
         return []
     keep = set(protected)
@@ -70,8 +77,18 @@ def plan_eviction(
     ranks: dict[str, list[str]] = {}
     for ns, group in groups.items():
         ranks.setdefault(group, []).append(ns)
+    held: dict[str, int] = {}  # bytes per namespace, with the files being added
+    if share_bytes > 0:
+        for e in index.entries():
+            held[e.ns] = held.get(e.ns, 0) + e.size
+        for e in adding:
+            held[e.ns] = held.get(e.ns, 0) + e.size
+
+    def tier(ns: str) -> int:  # 0: over its share, goes first
+        return 0 if share_bytes > 0 and held.get(ns, 0) > share_bytes else 1
+
     heap = [
-        (*eviction_key(e, now), e.ns, e.sha1)
+        (tier(e.ns), *eviction_key(e, now), e.ns, e.sha1)
         for e in index.entries()
         if not kids.get(e.key) and e.key not in keep
     ]
@@ -80,8 +97,11 @@ def plan_eviction(
     planned: set[Key] = set()
     freed = 0
     while heap and freed < need_bytes:
-        _, _, ns, sha1 = heapq.heappop(heap)
+        first, rank, used, ns, sha1 = heapq.heappop(heap)
         if (ns, sha1) in planned:
+            continue
+        if first != tier(ns):  # its namespace is within its share now
+            heapq.heappush(heap, (tier(ns), rank, used, ns, sha1))
             continue
         siblings = ranks[groups[ns]] if ns in groups else [ns]
         for key in [(ns, sha1)] + [(o, sha1) for o in siblings if o != ns]:
@@ -91,10 +111,12 @@ def plan_eviction(
             plan.append(victim)
             planned.add(key)
             freed += victim.size
+            if share_bytes > 0:
+                held[key[0]] -= victim.size
             if victim.parent:
                 pkey = (key[0], victim.parent)
                 kids[pkey] = kids.get(pkey, 1) - 1
                 parent = index.get(*pkey)
                 if parent is not None and kids[pkey] == 0 and pkey not in keep:
-                    heapq.heappush(heap, (*eviction_key(parent, now), *pkey))
+                    heapq.heappush(heap, (tier(pkey[0]), *eviction_key(parent, now), *pkey))
     return plan

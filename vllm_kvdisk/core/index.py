@@ -52,7 +52,7 @@ class Miss(str, Enum):  # noqa: UP042 - str() and format() of the members stay a
     BELOW_MIN_TOKENS = "below min tokens"
     PREFIX_MISMATCH = "prefix mismatch"
     TOKENS_DIFFER = "text equal but tokens differ"
-    OTHER_NAMESPACE = "checkpoint of another model/layout/dtype/salt"
+    OTHER_NAMESPACE = "checkpoint of another model/layout/dtype of the same tenant"
     CHEAPER_TO_RECOMPUTE = "cheaper to recompute"
     WINDOW_NOT_STORED = "sliding window not stored at the prompt's position"
     STATE_NOT_STORED = "linear-attention state not stored at the prompt's position"
@@ -329,10 +329,13 @@ class Index:
         read_ids: IdsReader,
         *,
         include_pending: bool = False,
+        peers: Callable[[str], bool] | None = None,
     ) -> Lookup:
         """Deepest chain whose stored ids equal the prompt's ``ids[0:L]``, L <= ``limit``
         a block boundary; whole files by token digest, a partly matching file up to its
-        last matching block."""
+        last matching block. ``peers(other)``: whether a miss may name namespace
+        ``other`` as holding the prompt's first block (``OTHER_NAMESPACE``); only the
+        namespaces of the same tenant may be named (see ``_explain``)."""
         ids = np.ascontiguousarray(ids, dtype="<u4")
         raw = ids.data.cast("B")
         limit = min(limit, len(ids))
@@ -384,7 +387,7 @@ class Index:
             link = link[1]
         segments.reverse()
         result = Lookup(segments)
-        self._explain(ns, result, ids, block_size, limit)
+        self._explain(ns, result, ids, block_size, limit, peers)
         return result
 
     @staticmethod
@@ -402,9 +405,19 @@ class Index:
         return pos + common_blocks(ids[pos:stop], theirs, block_size)
 
     def _explain(
-        self, ns: str, result: Lookup, ids: np.ndarray, block_size: int, limit: int
+        self,
+        ns: str,
+        result: Lookup,
+        ids: np.ndarray,
+        block_size: int,
+        limit: int,
+        peers: Callable[[str], bool] | None,
     ) -> None:
-        """Why the deepest path did not go further (for metrics and the trace)."""
+        """Why the deepest path did not go further (for metrics and the trace). Only
+        namespaces ``peers`` accepts are compared with the prompt: the reason for a miss
+        under one cache salt never says that another salt's files hold the prompt's
+        prefix (that would confirm another tenant's prompt to whoever reads the metrics
+        or the trace). Without ``peers``, no other namespace is looked at."""
         end = result.tokens
         last = result.segments[-1] if result.segments else None
         below: list[Entry] = []
@@ -418,8 +431,10 @@ class Index:
             result.miss = Miss.PREFIX_MISMATCH  # deeper checkpoints exist; none continues
             result.diverged = below
         elif not result.segments and len(ids) >= block_size:
-            head = xxhash.xxh3_64_intdigest(np.ascontiguousarray(ids[:block_size]).tobytes())
-            others = tuple(sorted(self._roots.get(head, set()) - {ns}))
+            others: tuple[str, ...] = ()
+            if peers is not None:
+                head = xxhash.xxh3_64_intdigest(np.ascontiguousarray(ids[:block_size]).tobytes())
+                others = tuple(sorted(o for o in self._roots.get(head, set()) - {ns} if peers(o)))
             result.miss = Miss.OTHER_NAMESPACE if others else Miss.NO_CHECKPOINT
             result.other_namespaces = others
         else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import hmac
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -119,12 +120,17 @@ def rank_group(info: Mapping[str, object]) -> str | None:
     return hashlib.sha256(body).hexdigest()[:16]
 
 
-def salt_digest(cache_salt: str | None) -> str:
+def salt_digest(cache_salt: str | None, *, key: bytes) -> str:
+    """The digest of a cache salt that names its namespace: HMAC-SHA256 keyed with the
+    cache directory's secret (``storage/secret.py``), so a guessed salt cannot be
+    confirmed from ``namespace.json`` or a directory name by whoever lacks the key."""
     if not cache_salt:
         return ""
+    if len(key) < 16:
+        raise ValueError("a salt digest needs the cache directory's key")
     # surrogatepass: a client's salt may hold a lone surrogate (valid JSON, not UTF-8).
     raw = cache_salt.encode("utf-8", "surrogatepass")
-    return hashlib.sha256(b"kvdisk-salt\0" + raw).hexdigest()[:32]
+    return hmac.new(key, b"kvdisk-salt\0" + raw, hashlib.sha256).hexdigest()[:32]
 
 
 @dataclass(slots=True)

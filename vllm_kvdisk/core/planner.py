@@ -10,7 +10,7 @@ the same way. :func:`encode_plan` is the one encoder of a checkpoint file.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,11 +73,18 @@ class Planner:
         self.read_ids = read_ids
         self.min_tokens = min_tokens
 
-    def lookup(self, ns: str, ids: np.ndarray, usable: int) -> Lookup:
-        """Deepest chain for the prompt ``ids`` ending at most at ``usable`` tokens."""
+    def lookup(
+        self,
+        ns: str,
+        ids: np.ndarray,
+        usable: int,
+        peers: Callable[[str], bool] | None = None,
+    ) -> Lookup:
+        """Deepest chain for the prompt ``ids`` ending at most at ``usable`` tokens;
+        ``peers``: the namespaces a miss may name (``Index.lookup``)."""
         if usable - usable % self.block_size < self.min_tokens:
             return Lookup(miss=Miss.BELOW_MIN_TOKENS)
-        return self.index.lookup(ns, ids, usable, self.block_size, self.read_ids)
+        return self.index.lookup(ns, ids, usable, self.block_size, self.read_ids, peers=peers)
 
     def plan_save(self, ns: str, prompt: Prompt, length: int, reason: Reason) -> SavePlan | None:
         """A save of ``prompt[:length]`` (a block boundary) as a delta on the deepest

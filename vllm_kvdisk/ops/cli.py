@@ -11,12 +11,16 @@ Human sizes and ages by default, ``--json`` for scripts (raw bytes and seconds).
 when all is well, 1 when ``verify`` found problems, 2 on bad input or an I/O error (a
 message on stderr, never a traceback).
 Progress goes to stderr when it is a terminal (one counter line, erased when done).
+
+Everything printed passes through ``terminal.say`` (or ``say_json``): checkpoint text,
+tool ids, what ``namespace.json`` says and error details come from clients, or from files
+anyone with access to the directory may have planted, so their control characters are
+printed as escapes and never reach the operator's terminal.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -25,6 +29,7 @@ from typing import Any
 
 from vllm_kvdisk.core.entry import Entry
 from vllm_kvdisk.core.format import DTYPE_NAMES, FLAG_DELTA, FLAG_TOOL_MAP, FormatError
+from vllm_kvdisk.ops.terminal import printable, say, say_json
 from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage.directory import KV_NAME
 from vllm_kvdisk.storage.fileread import read_meta, read_text, read_tool_map
@@ -56,9 +61,7 @@ def human_time(epoch: int) -> str:
 
 
 def _preview(raw: bytes, width: int = 60) -> str:
-    text = raw.decode("utf-8", errors="replace")
-    text = text.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
-    return text[:width]
+    return printable(raw.decode("utf-8", errors="replace"))[:width]
 
 
 def _progress(label: str) -> Callable[[int, int], None] | None:
@@ -76,14 +79,15 @@ def _progress(label: str) -> Callable[[int, int], None] | None:
     return update
 
 
-def _open_store(directory: str, *, writable: bool = False) -> Store:
+def _open_store(directory: str, *, writable: bool = False, scan: bool = True) -> Store:
     if not os.path.isdir(directory):
         raise UsageError(f"{directory}: not a directory")
     try:
         store = Store(directory, space_bytes=1 << 62, readonly=not writable, allow_shared_dir=True)
     except OSError as exc:
         raise UsageError(f"{directory}: {exc}") from None
-    store.scan()
+    if scan:
+        store.scan()
     return store
 
 
@@ -148,24 +152,24 @@ def cmd_ls(args: argparse.Namespace) -> int:
             for ns in sorted(by_ns)
             for e in sorted(by_ns[ns], key=lambda e: -e.last_used)
         ]
-        print(json.dumps(rows, indent=1))
+        say_json(rows, indent=1)
         return 0
     for ns in sorted(by_ns):
-        print(_describe(namespace_label(store, ns)))
-        print(
+        say(_describe(namespace_label(store, ns)))
+        say(
             f"  {'sha1':12} {'reason':9} {'tokens':>13} {'size':>10} {'hits':>5} "
             f"{'age':>6} {'used':>6} {'parent':12} text"
         )
         for e in sorted(by_ns[ns], key=lambda e: -e.last_used):
             r = _row(store, e, now)
             span = f"{r['parent_tokens']}..{r['tokens']}"
-            print(
+            say(
                 f"  {r['sha1'][:12]} {r['reason']:9} {span:>13} {human_bytes(r['bytes']):>10} "
                 f"{r['hits']:>5} {human_age(r['age_s']):>6} {human_age(r['last_used_s']):>6} "
                 f"{(r['parent'] or '-')[:12]:12} {r['text']}"
             )
     for ns, sha1, why in store.rejected:
-        print(f"unreadable {ns}/{sha1}.kv: {why}", file=sys.stderr)
+        say(f"unreadable {ns}/{sha1}.kv: {why}", file=sys.stderr)
     return 0
 
 
@@ -246,7 +250,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "text": _preview(text_head, 200),
     }
     if args.json:
-        print(json.dumps(info, indent=1))
+        say_json(info, indent=1)
         return 0
     lay = info["layout"]
     now = time.time()
@@ -307,34 +311,40 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("text", info["text"]),
     ]
     for key, value in lines:
-        print(f"{key:10} {value}")
+        say(f"{key:10} {value}")
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    store = _open_store(args.dir, writable=args.fix)
+    # verify scans itself: a writable scan quarantines what does not parse, and only the
+    # scan verify runs can report what it moved.
+    store = _open_store(args.dir, writable=args.fix, scan=False)
     report = verify(store, jobs=args.jobs, progress=_progress("verify"))
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "checked": report.checked,
-                    "bytes_checked": report.bytes_checked,
-                    "fixed": report.fixed,
-                    "ok": report.ok,
-                    "writing": report.writing,
-                    "problems": [
-                        {"ns": p.ns, "sha1": p.sha1, "kind": p.kind, "detail": p.detail}
-                        for p in report.problems
-                    ],
-                },
-                indent=1,
-            )
+        say_json(
+            {
+                "checked": report.checked,
+                "bytes_checked": report.bytes_checked,
+                "fixed": report.fixed,
+                "ok": report.ok,
+                "writing": report.writing,
+                "problems": [
+                    {
+                        "ns": p.ns,
+                        "sha1": p.sha1,
+                        "kind": p.kind,
+                        "detail": p.detail,
+                        "fixed": p.fixed or None,
+                    }
+                    for p in report.problems
+                ],
+            },
+            indent=1,
         )
     else:
         for p in report.problems:
-            print(f"{p.kind:11} {p.ns}/{p.sha1}: {p.detail}")
-        print(
+            say(f"{p.kind:11} {p.ns}/{p.sha1}: {p.detail}" + (f" ({p.fixed})" if p.fixed else ""))
+        say(
             f"checked {report.checked} files ({human_bytes(report.bytes_checked)}): "
             f"{len(report.problems)} problem(s)"
             + (f", {report.fixed} fixed" if args.fix else "")
@@ -348,23 +358,27 @@ def cmd_gc(args: argparse.Namespace) -> int:
     before = store.index.total_bytes
     removed = store.gc_to(args.to_mb * 1024 * 1024, dry_run=args.dry_run)
     after = before - sum(e.size for e in removed)
+    # namespaces left with nothing in them for a while (every cache salt ever seen)
+    emptied = 0 if args.dry_run else store.remove_empty_namespaces()
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "removed": len(removed),
-                    "bytes_before": before,
-                    "bytes_after": after,
-                    "dry_run": args.dry_run,
-                    "files": [{"ns": e.ns, "sha1": e.sha1, "bytes": e.size} for e in removed],
-                }
-            )
+        say_json(
+            {
+                "removed": len(removed),
+                "empty_namespaces_removed": emptied,
+                "bytes_before": before,
+                "bytes_after": after,
+                "dry_run": args.dry_run,
+                "files": [{"ns": e.ns, "sha1": e.sha1, "bytes": e.size} for e in removed],
+            }
         )
     else:
         verb = "would remove" if args.dry_run else "removed"
         for e in removed if args.dry_run else ():
-            print(f"{e.ns}/{e.sha1}.kv {human_bytes(e.size)}")
-        print(f"{verb} {len(removed)} file(s): {human_bytes(before)} -> {human_bytes(after)}")
+            say(f"{e.ns}/{e.sha1}.kv {human_bytes(e.size)}")
+        say(
+            f"{verb} {len(removed)} file(s): {human_bytes(before)} -> {human_bytes(after)}"
+            + (f"; {emptied} empty namespace(s) removed" if emptied else "")
+        )
     return 0
 
 
@@ -383,11 +397,11 @@ def cmd_rm(args: argparse.Namespace) -> int:
         count = len(files) if args.dry_run else store.remove_namespace(label["namespace"])
         out.append({**label, "files": count, "bytes": sum(e.size for e in files)})
     if args.json:
-        print(json.dumps({"dry_run": args.dry_run, "namespaces": out}, indent=1))
+        say_json({"dry_run": args.dry_run, "namespaces": out}, indent=1)
     else:
         verb = "would remove" if args.dry_run else "removed"
         for row in out:
-            print(f"{verb} {row['files']} file(s), {human_bytes(row['bytes'])}: {_describe(row)}")
+            say(f"{verb} {row['files']} file(s), {human_bytes(row['bytes'])}: {_describe(row)}")
     return 0
 
 
@@ -419,16 +433,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
         "unreadable": len(store.rejected),
     }
     if args.json:
-        print(json.dumps(result, indent=1))
+        say_json(result, indent=1)
         return 0
-    print(
+    say(
         f"{result['files']} checkpoint(s), {human_bytes(result['bytes'])}, "
         f"{result['tokens_stored']} tokens stored, {result['hits']} hit(s)"
     )
-    print("by reason: " + (", ".join(f"{k} {v}" for k, v in sorted(by_reason.items())) or "-"))
-    print(f"quarantined: {result['quarantined']}, unreadable: {result['unreadable']}")
+    say("by reason: " + (", ".join(f"{k} {v}" for k, v in sorted(by_reason.items())) or "-"))
+    say(f"quarantined: {result['quarantined']}, unreadable: {result['unreadable']}")
     for row in spaces:
-        print(
+        say(
             f"{_describe(row)}\n  {row['files']} file(s), {human_bytes(row['bytes'])}, "
             f"{row['tokens_stored']} tokens"
         )
@@ -487,15 +501,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError("--jobs must be >= 1")
         return args.func(args)
     except UsageError as exc:
-        print(f"kvdisk: {exc}", file=sys.stderr)
+        say(f"kvdisk: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         return 0
     except (OSError, FormatError) as exc:  # the directory changed or failed under us
-        print(f"kvdisk: {exc}", file=sys.stderr)
+        say(f"kvdisk: {exc}", file=sys.stderr)
         return 2
     except MemoryError:
-        print("kvdisk: out of memory", file=sys.stderr)
+        say("kvdisk: out of memory", file=sys.stderr)
         return 2
 
 

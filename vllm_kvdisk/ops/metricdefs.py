@@ -95,8 +95,9 @@ METRICS = (
         ("reason",),
         "Checkpoints not written for no fault: no_space (the budget or free-space watermark "
         "cannot be met), lock_timeout, parent_gone, namespace_removed, exists (a file of that "
-        "name is on disk), busy (saves in flight hold the staging cap), write_budget (the "
-        "bytes per day are spent), admission (the admission rule did not admit the request).",
+        "name is on disk), busy (saves in flight hold the staging cap), namespace_cap (a new "
+        "namespace would pass kv_disk_max_namespaces), write_budget (the bytes per day are "
+        "spent), admission (the admission rule did not admit the request).",
         "saves_skipped",
     ),
     (

@@ -148,7 +148,7 @@ class Trace:
         self._fd: int | None = None
         self._checked = 0.0
         if self.path:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            fsdir.make_dirs(os.path.dirname(self.path))
             self._open()
 
     @classmethod

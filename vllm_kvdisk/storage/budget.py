@@ -40,7 +40,15 @@ from vllm_kvdisk.storage.stats import StoreStats
 
 RECHECKS = 4  # eviction plans made again after a victim was not its entry's file
 
-SKIP_REASONS = ("no_space", "lock_timeout", "parent_gone", "namespace_removed", "busy", "exists")
+SKIP_REASONS = (
+    "no_space",
+    "lock_timeout",
+    "parent_gone",
+    "namespace_removed",
+    "busy",
+    "exists",
+    "namespace_cap",
+)
 
 
 class SaveSkipped(Exception):
@@ -67,6 +75,7 @@ class Budget:
         clock: Callable[[], float],
         statvfs: Callable[[int], os.statvfs_result] = os.fstatvfs,
         on_evict: Callable[[Entry], None] | None = None,
+        namespace_share_pct: int = 0,
     ):
         self.directory = directory
         self.lock = lock
@@ -79,6 +88,13 @@ class Budget:
         self._mutex = mutex
         self._statvfs = statvfs
         self._on_evict = on_evict
+        # Each namespace's share of the budget, in percent (0: none): eviction takes the
+        # files of namespaces over it first (``core.eviction``).
+        self.namespace_share_pct = namespace_share_pct
+
+    @property
+    def share_bytes(self) -> int:
+        return self.space_bytes * self.namespace_share_pct // 100
 
     def write(self, ns: str, sha1: str, encoded: Encoded, *, protect: Iterable[Key] = ()) -> Entry:
         """Write a checkpoint atomically and index it, keeping the budget and the free-space
@@ -226,7 +242,13 @@ class Budget:
                 need = shortfall()
             with bulk():  # O(files) small objects: the collector would walk the index
                 plan = plan_eviction(
-                    self.index, need, self.clock(), keep, adding=adding, groups=self._groups()
+                    self.index,
+                    need,
+                    self.clock(),
+                    keep,
+                    adding=adding,
+                    groups=self._groups(),
+                    share_bytes=self.share_bytes,
                 )
             if self.scanner.verify_victims(plan):
                 return plan
@@ -260,7 +282,12 @@ class Budget:
         with self.lock.hold(), self._mutex:
             self.scanner.refresh_all(force=True)
             plan = plan_eviction(
-                self.index, need_bytes, self.clock(), protect, groups=self._groups()
+                self.index,
+                need_bytes,
+                self.clock(),
+                protect,
+                groups=self._groups(),
+                share_bytes=self.share_bytes,
             )
             if not dry_run:
                 self._delete(plan)

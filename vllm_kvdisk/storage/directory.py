@@ -8,10 +8,18 @@ Layout of ``root`` (0700 directories, 0600 files)::
     root/.trash-<namespace>-*         a namespace renamed away, being deleted
     root/quarantine/                  files proven corrupt, with a .why note each
     root/.lock                        serialises name changes between processes (``lock``)
+    root/.salt-key                    the key of every cache salt's digest (``secret``)
 
-* Every namespace is opened once, by descriptor, and reopened when its name is another
-  directory now (renamed away, replaced): whoever keeps an index of it is told
-  (``on_replaced``), so no entry outlives the directory it was found in.
+* A namespace is opened by descriptor when it is used, and reopened when its name is
+  another directory now (renamed away, replaced): whoever keeps an index of it is told
+  (``on_replaced``), so no entry outlives the directory it was found in. At most
+  ``max_open`` namespace descriptors stay open (least recently used closed first; its
+  identity is kept, so a directory replaced while closed is still told apart): a
+  process's descriptors do not grow with the number of tenants (cache salts).
+* At most ``max_namespaces`` namespaces: a save that would make one more is skipped.
+  A namespace with nothing but its ``namespace.json``, unchanged for a while, is removed
+  (``empty``, under ``ROOT/.lock``, where every save lands its file: a saver that lost
+  its directory skips that save).
 * Nothing is followed through a symlink, and nothing that is not a regular file is
   opened blocking or read (see ``fsdir``). A root writable by others is refused unless
   the caller allows a shared directory (or only reads).
@@ -35,6 +43,7 @@ import os
 import re
 import shutil
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +58,12 @@ NS_NAME = re.compile(r"^[0-9a-f]{16}$")
 KV_NAME = re.compile(r"^[0-9a-f]{40}\.kv$")
 TRASH_PREFIX = ".trash-"
 NS_INFO_MAX_BYTES = 1 << 16  # ours are ~400 bytes
+MAX_OPEN = 32  # namespace descriptors kept open
+MAX_NAMESPACES = 4096
+
+
+class TooManyNamespaces(OSError):
+    pass
 
 
 def parse_namespace_info(raw: bytes) -> dict[str, object] | None:
@@ -74,9 +89,12 @@ def parse_namespace_info(raw: bytes) -> dict[str, object] | None:
 
 @dataclass(slots=True)
 class NamespaceDir:
-    fd: int
+    fd: int  # -1 while closed (the least recently used beyond ``max_open``)
+    ident: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the directory
     group: str | None = None  # its TP group (keys.rank_group), once read
     group_read: bool = False
+    tenant: tuple[str, str] | None = None  # (lora, salt digest), once read
+    tenant_read: bool = False
 
 
 class Directory:
@@ -88,21 +106,28 @@ class Directory:
         on_replaced: Callable[[str], None],
         readonly: bool = False,
         allow_shared_dir: bool = False,
+        max_open: int = MAX_OPEN,
+        max_namespaces: int = MAX_NAMESPACES,
     ):
         self.root = os.path.abspath(root)
+        self.max_open = max(2, max_open)
+        self.max_namespaces = max_namespaces
         # Read-only (inspection tools): never moves, deletes or creates anything.
         self.readonly = readonly
         self.fd = -1  # the root's descriptor
         self.removing: list[threading.Thread] = []  # namespaces being deleted (rm, reset)
         self._mutex = mutex
         self._on_replaced = on_replaced
-        self._ns: dict[str, NamespaceDir] = {}
+        # Every namespace seen (its identity, what namespace.json said), most recently
+        # used last; ``_open`` of them hold a descriptor.
+        self._ns: OrderedDict[str, NamespaceDir] = OrderedDict()
+        self._open = 0
         # Reads of what other processes wrote drop cached pages first: not on a local disk.
         self.drops_cache = True
         if readonly and not os.path.isdir(self.root):
             return  # nothing there yet: an empty cache
         if not readonly:
-            os.makedirs(self.root, mode=0o700, exist_ok=True)
+            fsdir.make_dirs(self.root)
         fsdir.check_root(self.root, allow_shared=allow_shared_dir or readonly)
         self.fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.drops_cache = fsdir.drops_cache(self.fd)
@@ -110,8 +135,7 @@ class Directory:
     def close(self) -> None:
         with self._mutex:
             for state in self._ns.values():
-                with contextlib.suppress(OSError):
-                    os.close(state.fd)
+                self._close(state)
             self._ns.clear()
             if self.fd >= 0:
                 with contextlib.suppress(OSError):
@@ -126,17 +150,15 @@ class Directory:
         return os.path.join(self.root, ns, f"{sha1}.kv")
 
     def namespace(self, ns: str, *, create: bool = False) -> NamespaceDir | None:
-        """The open directory of ``ns`` (reopened if it was renamed or replaced); under
-        the mutex."""
+        """The open directory of ``ns`` (reopened if it was renamed or replaced, or closed
+        to keep ``max_open``); under the mutex. Its ``fd`` is valid until the next call
+        for another namespace may close it: use it, or ``os.dup`` it, before."""
         if self.fd < 0:
             return None
         state = self._ns.get(ns)
-        if state is not None and fsdir.same_dir(state.fd, ns, self.fd):
+        if state is not None and state.fd >= 0 and fsdir.same_dir(state.fd, ns, self.fd):
+            self._ns.move_to_end(ns)
             return state
-        if state is not None:
-            os.close(state.fd)
-            del self._ns[ns]
-            self._on_replaced(ns)
         try:
             fd = (
                 fsdir.make_dir(ns, self.fd)
@@ -144,18 +166,52 @@ class Directory:
                 else fsdir.open_dir(ns, self.fd)
             )
         except FileNotFoundError:
+            self._replaced(ns)
             return None
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 log.warning("kvdisk: %s/%s is not a real directory; ignored", self.root, ns)
+                self._replaced(ns)
                 return None
             raise
-        state = NamespaceDir(fd)
-        self._ns[ns] = state
+        st = os.fstat(fd)
+        if state is not None and (state.fd >= 0 or state.ident != (st.st_dev, st.st_ino)):
+            self._replaced(ns)  # another directory has the name now
+            state = None
+        if state is None:
+            state = self._ns[ns] = NamespaceDir(fd, (st.st_dev, st.st_ino))
+        else:
+            state.fd = fd  # the same directory, closed meanwhile
+            self._ns.move_to_end(ns)
+        self._open += 1
+        self._close_beyond()
         return state
 
+    def _replaced(self, ns: str) -> None:
+        state = self._ns.pop(ns, None)
+        if state is not None:
+            self._close(state)
+            self._on_replaced(ns)
+
+    def _close(self, state: NamespaceDir) -> None:
+        if state.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(state.fd)
+            state.fd = -1
+            self._open -= 1
+
+    def _close_beyond(self) -> None:
+        """Close the least recently used descriptors beyond ``max_open``."""
+        if self._open <= self.max_open:
+            return
+        for state in self._ns.values():  # least recently used first
+            if state.fd >= 0:
+                self._close(state)
+                if self._open <= self.max_open:
+                    return
+
     def opened(self) -> set[str]:
-        """The namespaces open now (under the mutex)."""
+        """The namespaces seen and not gone (under the mutex)."""
         return set(self._ns)
 
     def namespaces(self) -> list[str]:
@@ -177,17 +233,42 @@ class Directory:
         """The namespace of ``fp``, made with its ``namespace.json`` if it is not there."""
         ns = fp.dirname()
         with self._mutex:
-            state = self.namespace(ns, create=True)
+            state = self.namespace(ns)
+            if state is None and len(self.namespaces()) >= self.max_namespaces:
+                raise TooManyNamespaces(
+                    errno.EMFILE, f"{self.max_namespaces} namespaces in {self.root} already"
+                )
+            state = state or self.namespace(ns, create=True)
             if state is None:
                 raise OSError(errno.ENOENT, f"cannot create namespace {ns} in {self.root}")
             try:
                 os.stat("namespace.json", dir_fd=state.fd, follow_symlinks=False)
             except FileNotFoundError:
+                # salt_keyed: the salt digest is keyed (``secret``); an unkeyed one is of an
+                # earlier build, and its namespace is removed at start (``Store.start``).
+                keyed = {"salt_keyed": True} if fp.salt_digest else {}
                 body = json.dumps(
-                    {"digest": fp.digest().hex(), **fp.describe()}, indent=1, sort_keys=True
+                    {"digest": fp.digest().hex(), **fp.describe(), **keyed},
+                    indent=1,
+                    sort_keys=True,
                 ).encode()
                 fsdir.write_atomic(state.fd, "namespace.json", [body])
         return ns
+
+    def empty(self, ns: str, before: float) -> bool:
+        """Whether ``ns`` holds nothing but its ``namespace.json`` (no checkpoint, no temp
+        file of a write) and has not changed since ``before`` (Unix seconds)."""
+        with self._mutex:
+            state = self.namespace(ns)
+            if state is None:
+                return False
+            try:
+                if os.fstat(state.fd).st_mtime >= before:
+                    return False
+                with os.scandir(state.fd) as it:
+                    return all(de.name == "namespace.json" for de in it)
+            except OSError:
+                return False
 
     def info(self, ns: str) -> tuple[dict[str, Any] | None, bool]:
         """(what namespace.json says, whether there is one to say it): a namespace whose
@@ -225,6 +306,22 @@ class Directory:
                 if state.group is not None:
                     out[ns] = state.group
         return out
+
+    def tenant(self, ns: str) -> tuple[str, str] | None:
+        """(LoRA adapter, salt digest) of a namespace, as its ``namespace.json`` says (read
+        once per directory); None when it says nothing we understand."""
+        with self._mutex:
+            state = self.namespace(ns)
+            if state is None:
+                return None
+            if not state.tenant_read:
+                info, present = self.info(ns)
+                lora, salt = (info or {}).get("lora"), (info or {}).get("salt_digest")
+                state.tenant = (
+                    (lora, salt) if isinstance(lora, str) and isinstance(salt, str) else None
+                )
+                state.tenant_read = present
+            return state.tenant
 
     # -- files ------------------------------------------------------------------------
     def open_file(self, ns: str, sha1: str, *, writable: bool = False) -> int:

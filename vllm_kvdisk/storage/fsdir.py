@@ -146,6 +146,17 @@ def open_dir(name: str, dir_fd: int | None = None) -> int:
     return os.open(name, os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW, dir_fd=dir_fd)
 
 
+def make_dirs(path: str) -> None:
+    """``os.makedirs(path)`` with every directory it creates 0700: ``makedirs``' mode is
+    the leaf's only, its parents get 0777 minus the umask (0777 under umask 000)."""
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    if parent != path and not os.path.isdir(parent):
+        make_dirs(parent)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+
+
 def make_dir(name: str, dir_fd: int) -> int:
     """Create (0700) or open the real directory ``name`` inside ``dir_fd``."""
     with contextlib.suppress(FileExistsError):

@@ -54,9 +54,9 @@ from vllm_kvdisk.core.format import HEADER_FIELD_HITS, HEADER_FIELD_LAST_USED, F
 from vllm_kvdisk.core.index import Index
 from vllm_kvdisk.core.keys import Fingerprint
 from vllm_kvdisk.core.logs import get_logger
-from vllm_kvdisk.storage import fsdir
-from vllm_kvdisk.storage.budget import Budget
-from vllm_kvdisk.storage.directory import Directory
+from vllm_kvdisk.storage import fsdir, secret
+from vllm_kvdisk.storage.budget import Budget, SaveSkipped
+from vllm_kvdisk.storage.directory import MAX_NAMESPACES, Directory, TooManyNamespaces
 from vllm_kvdisk.storage.fileread import Meta, read_meta, read_text, read_token_range
 from vllm_kvdisk.storage.lock import LOCK_TIMEOUT_S, DirLock
 from vllm_kvdisk.storage.quarantine import Quarantine
@@ -67,6 +67,7 @@ from vllm_kvdisk.storage.stats import StoreStats
 log = get_logger(__name__)
 
 IDS_CACHE_BYTES = 64 << 20
+EMPTY_NAMESPACE_AGE_S = 600.0  # an empty namespace unchanged this long is removed
 
 
 class Store:
@@ -83,6 +84,8 @@ class Store:
         allow_shared_dir: bool = False,
         lock_timeout_s: float = LOCK_TIMEOUT_S,
         quarantine_max_bytes: int | None = None,
+        max_namespaces: int = MAX_NAMESPACES,
+        namespace_share_pct: int = 0,
     ):
         self.clock = clock
         self.index = Index()
@@ -103,6 +106,13 @@ class Store:
             readonly=readonly,
             allow_shared_dir=allow_shared_dir,
             on_replaced=self._namespace_replaced,
+            max_namespaces=max_namespaces,
+        )
+        # Keys every cache salt's digest (``secret``); read-only tools name no namespace.
+        self.salt_key = (
+            b""
+            if readonly or self.directory.fd < 0
+            else secret.salt_key(self.directory.fd, create=True)
         )
         self.lock = DirLock(self.directory, lock_timeout_s)
         self.scanner = Scanner(
@@ -126,6 +136,7 @@ class Store:
             clock=clock,
             statvfs=statvfs,
             on_evict=on_evict,
+            namespace_share_pct=namespace_share_pct,
         )
         self._quarantined = Quarantine(self.directory.fd, self.quarantine_max_bytes, clock)
 
@@ -139,6 +150,8 @@ class Store:
             min_free_bytes=config.min_free_bytes,
             allow_shared_dir=config.kv_disk_allow_shared_dir,
             lock_timeout_s=config.kv_disk_lock_timeout_s,
+            max_namespaces=config.kv_disk_max_namespaces,
+            namespace_share_pct=config.kv_disk_namespace_share_pct,
             **kwargs,
         )
 
@@ -184,7 +197,56 @@ class Store:
         self.scanner.scan()
 
     def start(self, *, background: bool = True) -> bool:  # journal, else scan
+        if not self.readonly:
+            try:
+                self.drop_unkeyed_salts()
+                self.remove_empty_namespaces()
+            except (fsdir.LockTimeout, OSError) as exc:  # housekeeping: a later start retries
+                log.warning("kvdisk: namespaces of %s not tidied now: %s", self.root, exc)
         return start_up(self.scanner, self.lock_timeout_s, background=background)
+
+    def remove_empty_namespaces(self, min_age_s: float = EMPTY_NAMESPACE_AGE_S) -> int:
+        """Remove namespaces that hold nothing but ``namespace.json`` and have not changed
+        for ``min_age_s``: every cache salt ever seen leaves one behind when its files are
+        evicted. Judged again and renamed away under the lock, where every save lands its
+        file (a saver whose directory went skips that save, ``namespace_removed``; one that
+        is writing has a temp file there, so the namespace is not empty). Returns the
+        namespaces removed."""
+        if self.readonly:
+            return 0
+        removed = 0
+        for ns in self.namespaces():
+            before = time.time() - min_age_s
+            if not self.directory.empty(ns, before):
+                continue
+            with self.lock.hold(), self._mutex:
+                if not self.directory.empty(ns, before):
+                    continue
+                trash = self.directory.rename_away(ns, int(self.clock() * 1000))
+                if trash is None:
+                    continue
+                self.directory.namespace(ns)  # forget it
+                self.scanner.names_changed(gone=[ns])
+            self.directory.delete_tree(trash)
+            removed += 1
+        return removed
+
+    def drop_unkeyed_salts(self) -> int:
+        """Remove the salted namespaces of builds before the salt key (``namespace.json``
+        without ``salt_keyed``): no lookup reaches them any more (a salt's namespace is
+        named by its keyed digest now), and their unkeyed digest confirms a guessed salt
+        to whoever reads the directory. Returns the namespaces removed."""
+        removed = 0
+        for ns in self.namespaces():
+            info = self.namespace_info(ns)
+            if info is None or not info.get("salt_digest") or info.get("salt_keyed") is True:
+                continue
+            log.warning(
+                "kvdisk: removing %s/%s: a cache salt's digest without a key", self.root, ns
+            )
+            self.remove_namespace(ns, wait=False)
+            removed += 1
+        return removed
 
     def refresh(self, ns: str, *, force: bool = False) -> bool:
         return self.scanner.refresh(ns, force=force)
@@ -210,12 +272,23 @@ class Store:
         return self.directory.namespaces()
 
     def ensure_namespace(self, fp: Fingerprint) -> str:
-        return self.directory.ensure(fp)
+        try:
+            return self.directory.ensure(fp)
+        except TooManyNamespaces as exc:
+            raise SaveSkipped("namespace_cap", str(exc)) from None
 
     def namespace_info(self, ns: str) -> dict[str, Any] | None:
         """What ``namespace.json`` says the namespace is (None if absent, unreadable or not
         ours: see ``directory.parse_namespace_info``)."""
         return self.directory.info(ns)[0]
+
+    def peers(self, lora: str, salt_digest: str) -> Callable[[str], bool]:
+        """Which namespaces a lookup of this scope may compare a prompt with, to explain a
+        miss: those whose ``namespace.json`` names the same LoRA adapter and salt digest
+        (another model, layout or dtype of the same tenant). Another salt's files never
+        are: a miss reason naming them would confirm that tenant's prompts."""
+        mine = (lora, salt_digest)
+        return lambda other: self.directory.tenant(other) == mine
 
     def rank_groups(self) -> dict[str, str]:
         """Indexed namespace -> TP group, for namespaces of engines with TP > 1."""

@@ -38,6 +38,7 @@ class Problem:
     sha1: str
     kind: str  # bad | misnamed | orphan | tmp | unsupported | unreadable
     detail: str
+    fixed: str = ""  # what ``fix`` did about it: quarantined | deleted | removed
 
 
 @dataclass(slots=True)
@@ -45,8 +46,11 @@ class Report:
     checked: int = 0
     bytes_checked: int = 0
     problems: list[Problem] = field(default_factory=list)
-    fixed: int = 0
     writing: int = 0  # temp files of live writers (not problems)
+
+    @property
+    def fixed(self) -> int:
+        return sum(1 for p in self.problems if p.fixed)
 
     @property
     def ok(self) -> bool:
@@ -98,8 +102,9 @@ def verify(
     report = Report()
     for ns, sha1, why in list(store.rejected):  # did not even parse
         kind = "unsupported" if why.startswith("unsupported") else "bad"
-        report.problems.append(Problem(ns, sha1, kind, why))
-        report.fixed += 1 if (fix and kind == "bad") else 0
+        # A writable scan quarantined it if it could (the lock was free): it is gone.
+        moved = fix and kind == "bad" and not _present(store, ns, sha1)
+        report.problems.append(Problem(ns, sha1, kind, why, "quarantined" if moved else ""))
     entries = list(store.index.entries())
     total = len(entries)
     if progress is not None:
@@ -125,8 +130,9 @@ def verify(
             if found is None or found[0] == "gone":
                 continue
             kind, why = found
-            report.problems.append(Problem(entry.ns, entry.sha1, kind, why))
-            report.fixed += moved
+            report.problems.append(
+                Problem(entry.ns, entry.sha1, kind, why, "quarantined" if moved else "")
+            )
     # Judged from the directory as it is after the long pass (a parent may have been saved
     # again meanwhile), and deleted in the same hold of the lock. Deleting an orphan can
     # orphan nothing new: its children are orphans already.
@@ -137,16 +143,30 @@ def verify(
     for entry in orphans:
         report.problems.append(
             Problem(
-                entry.ns, entry.sha1, "orphan", f"parent {entry.parent} missing or inconsistent"
+                entry.ns,
+                entry.sha1,
+                "orphan",
+                f"parent {entry.parent} missing or inconsistent",
+                "deleted" if removed else "",
             )
         )
-        report.fixed += removed
     for ns, name, abandoned in temps:
         if not abandoned:
             report.writing += 1
             continue
-        report.problems.append(Problem(ns, name, "tmp", "unfinished write of a gone writer"))
+        problem = Problem(ns, name, "tmp", "unfinished write of a gone writer")
+        report.problems.append(problem)
         if fix:
             store.remove_temp(ns, name)  # (the scan may have removed it already)
-            report.fixed += 1
+            problem.fixed = "removed"
     return report
+
+
+def _present(store: Store, ns: str, sha1: str) -> bool:
+    try:
+        os.close(store.open_file(ns, sha1))
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return True
