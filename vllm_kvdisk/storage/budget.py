@@ -199,7 +199,7 @@ class Budget:
     def _shortfall(self, size: int, incoming: int) -> int:
         """Bytes to free so a file of ``size`` fits the budget and the watermark
         (``incoming``: how much of it is not on the volume yet)."""
-        over_budget = self.index.total_bytes + size - self.space_bytes
+        over_budget = self.index.total_bytes + self.scanner.bad_bytes() + size - self.space_bytes
         try:
             st = self._statvfs(self.directory.fd)
             short_free = self.min_free_bytes - (st.f_bavail * st.f_frsize - incoming)
@@ -225,8 +225,14 @@ class Budget:
                 self.scanner.refresh_all(force=True)
                 need = shortfall()
             with bulk():  # O(files) small objects: the collector would walk the index
+                # Files known bad are on disk: their parents are no leaves.
                 plan = plan_eviction(
-                    self.index, need, self.clock(), keep, adding=adding, groups=self._groups()
+                    self.index,
+                    need,
+                    self.clock(),
+                    keep,
+                    adding=adding + self.scanner.bad_entries(),
+                    groups=self._groups(),
                 )
             if self.scanner.verify_victims(plan):
                 return plan
@@ -260,7 +266,12 @@ class Budget:
         with self.lock.hold(), self._mutex:
             self.scanner.refresh_all(force=True)
             plan = plan_eviction(
-                self.index, need_bytes, self.clock(), protect, groups=self._groups()
+                self.index,
+                need_bytes,
+                self.clock(),
+                protect,
+                adding=self.scanner.bad_entries(),
+                groups=self._groups(),
             )
             if not dry_run:
                 self._delete(plan)

@@ -60,6 +60,11 @@ class _View:
 
     mtime_ns: int = -1  # the directory's mtime then (-1: list it at the next refresh)
     skipped: dict[str, tuple[int, str]] = field(default_factory=dict)  # name -> (inode, why)
+    # Known bad: files on disk that cannot be read now (EIO, ESTALE, EMFILE, a failed
+    # load), name -> (inode, the entry it had, if any). Known, so the index can be whole;
+    # the entry keeps its parent from being a leaf and its bytes in the budget. Read
+    # again at each listing of the namespace, which stays "changed" while it has any.
+    bad: dict[str, tuple[int, Entry | None]] = field(default_factory=dict)
 
 
 class Scanner:
@@ -147,7 +152,7 @@ class Scanner:
                     self._whole_at = count if self._whole_at == -1 else None
                 if self._whole_at != count:
                     return False
-                return self.journal.compact(count, self.index.entries())
+                return self.journal.compact(count, self.on_disk())
         except fsdir.LockTimeout:
             return False
 
@@ -162,21 +167,26 @@ class Scanner:
                     return True
                 return self._refresh(ns, force)
             except OSError as exc:
-                self._lost()
+                self._lost(ns)
                 log.warning("kvdisk: could not refresh %s/%s: %s", self.directory.root, ns, exc)
                 return False
 
-    def refresh_all(self, force: bool = False) -> None:
-        """Refresh every namespace, forgetting those gone (under the mutex)."""
+    def refresh_all(self, force: bool = False, *, identity: bool = False) -> None:
+        """Refresh every namespace, forgetting those gone (under the mutex); an error is
+        its namespace's alone. ``identity``: a listed namespace's files are stat'ed too."""
         names = self.directory.namespaces()
         for ns in (self.directory.opened() | set(self.index.namespaces())) - set(names):
-            if self.directory.namespace(ns) is None:  # gone: forget its entries
-                self.forget_namespace(ns)
+            try:
+                if self.directory.namespace(ns) is None:  # gone: forget its entries
+                    self.forget_namespace(ns)
+            except OSError as exc:
+                self._lost(ns)
+                log.warning("kvdisk: could not open %s/%s: %s", self.directory.root, ns, exc)
         for ns in names:
             try:
-                self._refresh(ns, force)
+                self._refresh(ns, force, identity=identity)
             except OSError as exc:
-                self._lost()
+                self._lost(ns)
                 log.warning("kvdisk: could not refresh %s/%s: %s", self.directory.root, ns, exc)
 
     # -- the view under the lock ------------------------------------------------------
@@ -192,8 +202,10 @@ class Scanner:
             # unless it found a file it cannot read. Not before: a quarantine during the
             # listing journals a change, and a view called whole then would write a
             # snapshot of the namespaces not listed yet.
+            # Each listed namespace's files are stat'ed (inode, size, mtime): after a gap
+            # a name may be another file on the inode its predecessor freed.
             self._whole_at, gaps = None, self._gaps
-            self.refresh_all()
+            self.refresh_all(identity=True)
             if self._gaps == gaps:
                 self._whole_at = -1 if count is None else count
                 self.journal.skip_to_end()  # every line there is in what was listed
@@ -242,16 +254,41 @@ class Scanner:
         appended = before is not None and self.journal.append(
             Change(before, after, list(add), list(remove), list(gone))
         )
+        for ns, sha1, _ in remove:
+            view = self._views.get(ns)
+            if view is not None:
+                view.bad.pop(sha1, None)
         if whole and (not appended or self.journal.lines > max(COMPACT_LINES, len(self.index))):
-            self.journal.compact(after, self.index.entries())
+            self.journal.compact(after, self.on_disk())
 
-    def not_whole(self) -> None:
-        """A file left the index without its name changing: list again at the next save."""
-        self._lost()
+    def on_disk(self) -> list[Entry]:
+        """What a snapshot names: the index's entries and those of files known bad."""
+        return [*self.index.entries(), *self.bad_entries()]
 
-    def _lost(self) -> None:
+    def bad_entries(self) -> list[Entry]:
+        """The last entries of files known bad: never evicted, and their parents never
+        leaves (eviction plans take them as files being added)."""
+        return [e for view in self._views.values() for _, e in view.bad.values() if e is not None]
+
+    def bad_bytes(self) -> int:
+        return sum(e.size for e in self.bad_entries())
+
+    def forget(self, ns: str, sha1: str, inode: int | None = None) -> None:
+        """A file left the index without its name changing (a load failed, a corrupt file
+        could not be moved now): it is known bad until the next listing of its namespace,
+        which is a real one (its directory's mtime did not move) and reads it again."""
+        entry = self.index.get(ns, sha1)
+        if entry is not None and (inode is None or entry.inode == inode):
+            self.index.remove(ns, sha1)
+            self._views.setdefault(ns, _View()).bad[sha1] = (entry.inode, entry)
+        self._lost(ns)
+
+    def _lost(self, ns: str | None = None) -> None:
+        """The view stopped being whole; ``ns``: that namespace's next refresh lists it."""
         self._whole_at = None
         self._gaps += 1
+        if ns is not None:
+            self._views.setdefault(ns, _View()).mtime_ns = -1
 
     def forget_namespace(self, ns: str) -> None:
         """The namespace is gone or another directory now: none of its entries stay."""
@@ -261,7 +298,7 @@ class Scanner:
             self.index.remove(ns, entry.sha1)
 
     # -- one namespace ----------------------------------------------------------------
-    def _refresh(self, ns: str, force: bool) -> bool:
+    def _refresh(self, ns: str, force: bool, *, identity: bool = False) -> bool:
         state = self.directory.namespace(ns)
         if state is None:
             self.forget_namespace(ns)
@@ -274,10 +311,11 @@ class Scanner:
         listed = self._list(state.fd)
         for entry in self.index.namespace_entries(ns):
             # Deleted or replaced by another process; when forced (every eviction decision
-            # and verify), also replaced on this file's freed inode, or its header changed
-            # in place (hits): a stat per file, 4 us each, so not at every lookup's refresh.
+            # and verify) or catching up after a gap, also replaced on this file's freed
+            # inode, or its header changed in place (hits): a stat per file, 4 us each, so
+            # not at every lookup's refresh.
             if listed.get(entry.sha1) != entry.inode or (
-                force and not fsdir.same_file(state.fd, f"{entry.sha1}.kv", entry)
+                (force or identity) and not fsdir.same_file(state.fd, f"{entry.sha1}.kv", entry)
             ):
                 self.index.remove(ns, entry.sha1)
         todo = [
@@ -290,11 +328,14 @@ class Scanner:
             complete &= self._index_file(ns, view, sha1, found)
         for sha1 in set(view.skipped) - set(listed):
             del view.skipped[sha1]
+        for sha1 in set(view.bad) - set(listed):
+            del view.bad[sha1]
         # A file we could not read right now keeps the directory "changed", so the next
         # refresh tries it again; so does an mtime too recent to be trusted.
-        view.mtime_ns = mtime if complete and not fsdir.racy(mtime, looked_ns) else -1
+        trusted = complete and not view.bad and not fsdir.racy(mtime, looked_ns)
+        view.mtime_ns = mtime if trusted else -1
         if not complete:
-            self._lost()  # a file is missing from the index: list again
+            self._lost(ns)  # a file is missing from the index: list again
         return True
 
     def _list(self, dir_fd: int) -> dict[str, int]:
@@ -320,34 +361,48 @@ class Scanner:
         (seconds for 100k files on a network file system, lookups go on meanwhile), and
         index what the journal missed: files of a writer killed before its line, files
         deleted without the lock, temp files of dead writers."""
-        try:
-            names = self.directory.namespaces()
-            with self._mutex:
-                for ns in set(self.index.namespaces()) - set(names):
-                    if self.directory.namespace(ns) is None:
-                        self.forget_namespace(ns)  # named by the journal, gone from disk
-            for ns in names:
+        names = self.directory.namespaces()
+        for ns in sorted(set(self.index.namespaces()) - set(names)) + names:
+            try:  # an error is its namespace's alone: the others are still listed
+                self._reconcile(ns)
+            except OSError as exc:
                 with self._mutex:
-                    state = self.directory.namespace(ns)
-                    if state is None:
-                        continue
-                    dir_fd = os.dup(state.fd)
-                    known = {e.sha1: e for e in self.index.namespace_entries(ns)}
-                try:
-                    listed = self._list(dir_fd)
-                    with self._mutex:
-                        self._settle(ns, dir_fd, known, listed)
-                finally:
-                    os.close(dir_fd)
-        except OSError as exc:
-            log.warning("kvdisk: could not list %s: %s", self.directory.root, exc)
+                    self._lost(ns)
+                log.warning("kvdisk: could not list %s/%s: %s", self.directory.root, ns, exc)
+
+    def _reconcile(self, ns: str) -> None:
+        with self._mutex:
+            state = self.directory.namespace(ns)
+            if state is None:
+                self.forget_namespace(ns)  # named by the journal, gone from disk
+                return
+            dir_fd = os.dup(state.fd)
+            known = {e.sha1: e for e in self.index.namespace_entries(ns)}
+        try:
+            listed = self._list(dir_fd)
+            # Identity, outside the mutex (a stat per file): a cache copied to another
+            # volume, a name another file took on a freed inode, are read again.
+            stale = {
+                sha1
+                for sha1, entry in known.items()
+                if sha1 in listed and not fsdir.same_file(dir_fd, f"{sha1}.kv", entry)
+            }
+            with self._mutex:
+                self._settle(ns, dir_fd, known, listed, stale)
+        finally:
+            os.close(dir_fd)
 
     def _settle(
-        self, ns: str, dir_fd: int, known: dict[str, Entry], listed: dict[str, int]
+        self,
+        ns: str,
+        dir_fd: int,
+        known: dict[str, Entry],
+        listed: dict[str, int],
+        stale: set[str],
     ) -> None:
         for sha1, entry in known.items():
             if (
-                sha1 not in listed
+                (sha1 in stale or sha1 not in listed)
                 and self.index.get(ns, sha1) is entry
                 and not fsdir.same_file(dir_fd, f"{sha1}.kv", entry)
             ):
@@ -360,7 +415,7 @@ class Scanner:
         ]
         for sha1, found in self._read_files(dir_fd, todo):
             if not self._index_file(ns, view, sha1, found):
-                self._lost()
+                self._lost(ns)
 
     def verify_victims(self, plan: list[Entry]) -> bool:
         """Under the lock and the mutex, before an eviction: whether each victim's name
@@ -378,7 +433,7 @@ class Scanner:
                 view = self._views.setdefault(entry.ns, _View())
                 for sha1, found in self._read_files(state.fd, [entry.sha1]):
                     if not self._index_file(entry.ns, view, sha1, found):
-                        self._lost()  # not read now: a listing must find it again
+                        self._lost(entry.ns)  # not read now: a listing must find it again
         return same
 
     def _read_files(self, dir_fd: int, names: list[str]) -> Iterator[tuple[str, Any]]:
@@ -427,12 +482,20 @@ class Scanner:
                 is not None
             )
         if isinstance(found, OSError):
-            return self._unreadable(ns, sha1, found)
+            self._unreadable(ns, view, sha1, found)
+            return True
         summary, size, inode, mtime_ns = found
+        view.bad.pop(sha1, None)
         self.index.add(entry_of(ns, sha1, summary, size, inode, mtime_ns, mtime_ns))
         return True
 
-    def _unreadable(self, ns: str, sha1: str, exc: OSError) -> bool:
+    def _unreadable(self, ns: str, view: _View, sha1: str, exc: OSError) -> None:
+        """Record a file that cannot be read now as known bad (its last entry kept while
+        the name is still its inode, or the inode is unknown), tried again later."""
         self.stats.unreadable += 1
         log.warning("kvdisk: cannot read %s/%s.kv now (%s); will try again", ns, sha1, exc)
-        return False
+        inode = int(getattr(exc, "inode", 0) or 0)
+        _, entry = view.bad.get(sha1, (0, None))
+        if entry is not None and inode and entry.inode != inode:
+            entry = None
+        view.bad[sha1] = (inode or (entry.inode if entry is not None else 0), entry)

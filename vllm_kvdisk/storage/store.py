@@ -352,10 +352,9 @@ class Store:
             return False
 
     def _forget_corrupt(self, ns: str, sha1: str, why: str, inode: int | None) -> None:
+        """The file stays on disk for now: known bad, listed again (``Scanner.forget``)."""
         self.scanner.rejected.append((ns, sha1, why))
-        entry = self.index.get(ns, sha1)
-        if entry is not None and (inode is None or entry.inode == inode):
-            self.index.remove(ns, sha1)
+        self.scanner.forget(ns, sha1, inode)
 
     def _quarantine(
         self,
@@ -371,27 +370,32 @@ class Store:
         wait for the directory lock; otherwise (a scan, which must not wait for it while
         holding the mutex) the lock is tried once, and a busy lock leaves the move to a
         later refresh (None)."""
-        self._forget_corrupt(ns, sha1, why, inode)
+        self.scanner.rejected.append((ns, sha1, why))
+        entry = self.index.get(ns, sha1)
+        if entry is not None and (inode is None or entry.inode == inode):
+            self.index.remove(ns, sha1)
         state = None if self.readonly else self.directory.namespace(ns)
         if state is None:
             return False
         try:
             with self.lock.hold(None if wait else 0.0):
-                moved = self._quarantined.move(state.fd, ns, sha1, why, inode, dev)
-                if moved:
+                done = self._quarantined.move(state.fd, ns, sha1, why, inode, dev)
+                if done is not None:  # moved or deleted in place: a removal, counted
                     self.scanner.names_changed(remove=[(ns, sha1, inode)])
         except fsdir.LockTimeout:
+            if entry is not None:
+                self.index.add(entry)  # still on disk: known bad until it is moved
+                self.scanner.forget(ns, sha1, inode)
             return None
-        if moved:
+        if done is not None:
             self.stats.quarantined += 1
-        return moved
+        return done == "moved"
 
     def forget(self, ns: str, sha1: str) -> None:
         """Drop a file from the index only (stale or unreadable: the next refresh may find
         it again)."""
         with self._mutex:
-            self.index.remove(ns, sha1)
-            self.scanner.not_whole()
+            self.scanner.forget(ns, sha1)
 
     def orphans(self, *, remove: bool = False) -> list[Entry]:
         """Files whose chain is broken, from the directory as it is now (a forced refresh):
