@@ -207,6 +207,11 @@ class Budget:
             short_free = 0
         return max(over_budget, short_free)
 
+    def _guarded(self) -> set[Key]:
+        """Files never evicted now: those of a namespace holding a file known bad whose
+        chain is unknown (``Scanner.guarded``)."""
+        return {e.key for ns in self.scanner.guarded() for e in self.index.namespace_entries(ns)}
+
     def _groups(self) -> dict[str, str]:
         """TP groups of the indexed namespaces: ranks of one engine lose a file together."""
         return self.directory.rank_groups(self.index.namespaces())
@@ -220,6 +225,7 @@ class Budget:
         victim that is not the file its entry says (another replica's hits, another file
         on its name) is read again and the plan made again; after a few rounds, the
         directory is listed and stat'ed whole."""
+        keep = keep | self._guarded()
         for attempt in range(RECHECKS + 1):
             if attempt == RECHECKS:
                 self.scanner.refresh_all(force=True)
@@ -269,7 +275,7 @@ class Budget:
                 self.index,
                 need_bytes,
                 self.clock(),
-                protect,
+                set(protect) | self._guarded(),
                 adding=self.scanner.bad_entries(),
                 groups=self._groups(),
             )

@@ -55,16 +55,26 @@ COMPACT_LINES = 4096  # change lines after which the journal's snapshot is rewri
 
 
 @dataclass(slots=True)
+class _Bad:
+    """A file known bad: its inode (0: unknown), its bytes (in the budget), and the entry
+    it had, if it was ever read (its parent is then no leaf; without one, its chain is
+    unknown and nothing of its namespace is evicted: ``Scanner.guarded``)."""
+
+    inode: int
+    size: int
+    entry: Entry | None
+
+
+@dataclass(slots=True)
 class _View:
     """What the last refresh of one namespace saw."""
 
     mtime_ns: int = -1  # the directory's mtime then (-1: list it at the next refresh)
     skipped: dict[str, tuple[int, str]] = field(default_factory=dict)  # name -> (inode, why)
     # Known bad: files on disk that cannot be read now (EIO, ESTALE, EMFILE, a failed
-    # load), name -> (inode, the entry it had, if any). Known, so the index can be whole;
-    # the entry keeps its parent from being a leaf and its bytes in the budget. Read
-    # again at each listing of the namespace, which stays "changed" while it has any.
-    bad: dict[str, tuple[int, Entry | None]] = field(default_factory=dict)
+    # load). Known, so the index can be whole; read again at each listing of the
+    # namespace, which stays "changed" while it has any.
+    bad: dict[str, _Bad] = field(default_factory=dict)
 
 
 class Scanner:
@@ -268,10 +278,29 @@ class Scanner:
     def bad_entries(self) -> list[Entry]:
         """The last entries of files known bad: never evicted, and their parents never
         leaves (eviction plans take them as files being added)."""
-        return [e for view in self._views.values() for _, e in view.bad.values() if e is not None]
+        return [
+            bad.entry
+            for view in self._views.values()
+            for bad in view.bad.values()
+            if bad.entry is not None and bad.entry.key not in self.index
+        ]
 
     def bad_bytes(self) -> int:
-        return sum(e.size for e in self.bad_entries())
+        return sum(
+            bad.size
+            for view in self._views.values()
+            for sha1, bad in view.bad.items()
+            if bad.entry is None or bad.entry.key not in self.index
+        )
+
+    def guarded(self) -> set[str]:
+        """Namespaces holding a file known bad that was never read: its parent, unknown,
+        could be any of their files, so none of them is evicted until it is read."""
+        return {
+            ns
+            for ns, view in self._views.items()
+            if any(bad.entry is None for bad in view.bad.values())
+        }
 
     def forget(self, ns: str, sha1: str, inode: int | None = None) -> None:
         """A file left the index without its name changing (a load failed, a corrupt file
@@ -280,7 +309,7 @@ class Scanner:
         entry = self.index.get(ns, sha1)
         if entry is not None and (inode is None or entry.inode == inode):
             self.index.remove(ns, sha1)
-            self._views.setdefault(ns, _View()).bad[sha1] = (entry.inode, entry)
+            self._views.setdefault(ns, _View()).bad[sha1] = _Bad(entry.inode, entry.size, entry)
         self._lost(ns)
 
     def _lost(self, ns: str | None = None) -> None:
@@ -317,7 +346,7 @@ class Scanner:
             if listed.get(entry.sha1) != entry.inode or (
                 (force or identity) and not fsdir.same_file(state.fd, f"{entry.sha1}.kv", entry)
             ):
-                self.index.remove(ns, entry.sha1)
+                self._drop(view, entry, entry.sha1 in listed)
         todo = [
             sha1
             for sha1, inode in listed.items()
@@ -400,14 +429,14 @@ class Scanner:
         listed: dict[str, int],
         stale: set[str],
     ) -> None:
+        view = self._views.setdefault(ns, _View())
         for sha1, entry in known.items():
             if (
                 (sha1 in stale or sha1 not in listed)
                 and self.index.get(ns, sha1) is entry
                 and not fsdir.same_file(dir_fd, f"{sha1}.kv", entry)
             ):
-                self.index.remove(ns, sha1)
-        view = self._views.setdefault(ns, _View())
+                self._drop(view, entry, sha1 in listed)
         todo = [
             sha1
             for sha1, inode in listed.items()
@@ -428,13 +457,22 @@ class Scanner:
             if state is not None and fsdir.same_file(state.fd, f"{entry.sha1}.kv", entry):
                 continue
             same = False
-            self.index.remove(entry.ns, entry.sha1)
-            if state is not None:
+            if state is None:
+                self.index.remove(entry.ns, entry.sha1)
+            else:
                 view = self._views.setdefault(entry.ns, _View())
+                self._drop(view, entry, True)
                 for sha1, found in self._read_files(state.fd, [entry.sha1]):
                     if not self._index_file(entry.ns, view, sha1, found):
                         self._lost(entry.ns)  # not read now: a listing must find it again
         return same
+
+    def _drop(self, view: _View, entry: Entry, listed: bool) -> None:
+        """Take an entry out of the index, its file to be read again: known bad meanwhile
+        when its name is still on disk (if it cannot be read, its parent is no leaf)."""
+        self.index.remove(entry.ns, entry.sha1)
+        if listed:
+            view.bad[entry.sha1] = _Bad(entry.inode, entry.size, entry)
 
     def _read_files(self, dir_fd: int, names: list[str]) -> Iterator[tuple[str, Any]]:
         """Read the first bytes of many files, saying every 10 s how far a long scan is (a
@@ -464,8 +502,10 @@ class Scanner:
     def _index_file(self, ns: str, view: _View, sha1: str, found: Any) -> bool:
         """Index what ``_read_one`` found; False if the file should be tried again later."""
         if found is None:
+            view.bad.pop(sha1, None)  # gone
             return True
         if isinstance(found, (UnsupportedFile, fsdir.NotRegularFile)):
+            view.bad.pop(sha1, None)
             view.skipped[sha1] = (getattr(found, "inode", 0), str(found))
             self.rejected.append((ns, sha1, f"unsupported: {found}"))
             return True
@@ -495,7 +535,12 @@ class Scanner:
         self.stats.unreadable += 1
         log.warning("kvdisk: cannot read %s/%s.kv now (%s); will try again", ns, sha1, exc)
         inode = int(getattr(exc, "inode", 0) or 0)
-        _, entry = view.bad.get(sha1, (0, None))
+        size = int(getattr(exc, "size", 0) or 0)
+        known = view.bad.get(sha1)
+        entry = known.entry if known is not None else None
         if entry is not None and inode and entry.inode != inode:
-            entry = None
-        view.bad[sha1] = (inode or (entry.inode if entry is not None else 0), entry)
+            entry = None  # another file on the name now
+        if entry is not None:
+            view.bad[sha1] = _Bad(entry.inode, size or entry.size, entry)
+        else:
+            view.bad[sha1] = _Bad(inode, size, None)
