@@ -75,6 +75,7 @@ class _View:
     # load). Known, so the index can be whole; read again at each listing of the
     # namespace, which stays "changed" while it has any.
     bad: dict[str, _Bad] = field(default_factory=dict)
+    relist: bool = False  # an entry left the index: the next catch-up lists this namespace
 
 
 class Scanner:
@@ -206,7 +207,8 @@ class Scanner:
         count = self.lock.count()
         followed = count is not None and count != self._whole_at and self._follow()
         if followed and self._whole_at == count:
-            return  # the journal said what changed: nothing listed
+            self._relist()  # the journal said what changed: only dropped entries listed
+            return
         if count is None or count != self._whole_at:
             # Whole at this count (-1: whole, count unknown) once the listing is done,
             # unless it found a file it cannot read. Not before: a quarantine during the
@@ -219,6 +221,16 @@ class Scanner:
             if self._gaps == gaps:
                 self._whole_at = -1 if count is None else count
                 self.journal.skip_to_end()  # every line there is in what was listed
+
+    def _relist(self) -> None:
+        """Under the mutex: list the namespaces an entry left without its name changing
+        (``forget``), so a file dropped from the index is found again or known bad."""
+        for ns in [ns for ns, view in self._views.items() if view.relist]:
+            try:
+                self._refresh(ns, False, identity=True)
+            except OSError as exc:
+                self._lost(ns)
+                log.warning("kvdisk: could not refresh %s/%s: %s", self.directory.root, ns, exc)
 
     def _follow(self) -> bool:
         """Under the mutex: apply the journal's new lines to an index whole at a known
@@ -235,6 +247,14 @@ class Scanner:
             return False
         with bulk():  # after a rewrite, every entry of the new snapshot
             self._whole_at = replay(self.index, self._whole_at, got)
+        for change in got.changes if isinstance(got, Loaded) else got:
+            # A name another store removed or wrote again is no longer known bad here.
+            for ns, sha1, _ in change.remove:
+                self._views.get(ns, _View()).bad.pop(sha1, None)
+            for entry in change.add:
+                self._views.get(entry.ns, _View()).bad.pop(entry.sha1, None)
+            for ns in change.gone:
+                self._views.pop(ns, None)
         return self._whole_at is not None
 
     def journaled(self) -> bool:  # refreshes read the journal's lines, not listings
@@ -317,7 +337,8 @@ class Scanner:
         self._whole_at = None
         self._gaps += 1
         if ns is not None:
-            self._views.setdefault(ns, _View()).mtime_ns = -1
+            view = self._views.setdefault(ns, _View())
+            view.mtime_ns, view.relist = -1, True
 
     def forget_namespace(self, ns: str) -> None:
         """The namespace is gone or another directory now: none of its entries stay."""
@@ -338,6 +359,7 @@ class Scanner:
         if not force and mtime == view.mtime_ns:
             return False
         listed = self._list(state.fd)
+        view.relist = False
         for entry in self.index.namespace_entries(ns):
             # Deleted or replaced by another process; when forced (every eviction decision
             # and verify) or catching up after a gap, also replaced on this file's freed
