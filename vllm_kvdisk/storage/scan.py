@@ -7,15 +7,21 @@
   Every name this store changes is counted and journaled (``names_changed``).
 * Only when the journal cannot say (none, a gap, an unknown count) does it list: one stat
   of a namespace directory when its mtime is unchanged (an mtime read within a timestamp
-  tick of the change is not trusted), else a listing; a forced refresh also stats every
-  file, (inode, size, mtime): an inode alone is reused at once by the next file.
+  tick of the change is not trusted), else a listing; a forced refresh, a catch-up's
+  listing and the background listing also stat every file, (inode, size, mtime): an
+  inode alone is reused at once by the next file (and a copied cache has other inodes).
 * A scan reads each file's first bytes (header, sections table, stored-id digests),
   never payloads; a start reads the journal instead and lists in the background
   (``reconcile``). An eviction stats only its victims (``verify_victims``).
 * Only a file proven corrupt in this build's format version is quarantined (by the
   ``quarantine`` the owner hands in). A file of another version is skipped (remembered
   by inode, so it is not re-read); one that cannot be read right now (EIO, ESTALE,
-  EMFILE) keeps its directory "changed" and is tried again.
+  EMFILE, a failed load: ``forget``) is known bad (``_Bad``): the view can be whole, its
+  parent is no leaf, its bytes count, and its directory stays "changed", so it is tried
+  again. An entry that leaves the index without its name changing makes its namespace's
+  next listing real (``relist``), even when the journal says nothing changed.
+* Errors are handled per namespace: one that cannot be listed is that namespace's gap,
+  never the end of a listing of the others.
 * A temp file whose writer is gone (its lock is free) is removed by the next listing.
 * Only regular files are opened, never blocking (``fsdir.open_regular``): a FIFO, socket,
   device node or directory named like a checkpoint is skipped, never quarantined. A file

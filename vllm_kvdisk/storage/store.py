@@ -23,8 +23,11 @@ Invariants:
   each eviction victim stat'ed first: N replicas keep one budget. A new file's ancestors
   are never its own eviction's victims; a save that cannot fit evicts nothing.
 * Only a file proven corrupt in this build's format version is quarantined. A file of
-  another version is left alone; one that cannot be read right now (EIO, ESTALE, EMFILE)
-  is skipped and tried again at the next refresh.
+  another version is left alone; one that cannot be read right now (EIO, ESTALE, EMFILE,
+  a failed load) is known bad until a listing reads it again: never offered, never an
+  eviction victim, its parent no leaf (``Scanner.forget``).
+* Every removal of a ``.kv`` name, the quarantine's deletion in place included, is
+  counted and journaled.
 * An entry remembers its file's (inode, size, mtime): a file replaced by another process
   is re-indexed, never mistaken for corrupt, even on the inode its predecessor freed.
 * A file is quarantined only while the descriptor it was proven corrupt through is open,
