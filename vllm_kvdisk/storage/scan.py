@@ -315,7 +315,7 @@ class Scanner:
         return sum(
             bad.size
             for view in self._views.values()
-            for sha1, bad in view.bad.items()
+            for bad in view.bad.values()
             if bad.entry is None or bad.entry.key not in self.index
         )
 
@@ -413,7 +413,7 @@ class Scanner:
                         os.unlink(de.name, dir_fd=dir_fd)
         return listed
 
-    def reconcile(self) -> None:
+    def reconcile(self, *, identity: bool = True) -> None:
         """After a start from the journal: list every namespace once, outside the mutex
         (seconds for 100k files on a network file system, lookups go on meanwhile), and
         index what the journal missed: files of a writer killed before its line, files
@@ -421,13 +421,13 @@ class Scanner:
         names = self.directory.namespaces()
         for ns in sorted(set(self.index.namespaces()) - set(names)) + names:
             try:  # an error is its namespace's alone: the others are still listed
-                self._reconcile(ns)
+                self._reconcile(ns, identity)
             except OSError as exc:
                 with self._mutex:
                     self._lost(ns)
                 log.warning("kvdisk: could not list %s/%s: %s", self.directory.root, ns, exc)
 
-    def _reconcile(self, ns: str) -> None:
+    def _reconcile(self, ns: str, identity: bool) -> None:
         with self._mutex:
             state = self.directory.namespace(ns)
             if state is None:
@@ -442,7 +442,11 @@ class Scanner:
             stale = {
                 sha1
                 for sha1, entry in known.items()
-                if sha1 in listed and not fsdir.same_file(dir_fd, f"{sha1}.kv", entry)
+                if sha1 in listed
+                and (
+                    listed[sha1] != entry.inode
+                    or (identity and not fsdir.same_file(dir_fd, f"{sha1}.kv", entry))
+                )
             }
             with self._mutex:
                 self._settle(ns, dir_fd, known, listed, stale)
