@@ -360,3 +360,31 @@ def test_the_quarantine_keeps_its_newest_evidence_under_distinct_names(tmp_path)
     b.quarantine(ns_b, old.sha1, "older file, quarantined last")
     (kept,) = b.quarantined_files()
     assert old.sha1 in kept
+
+
+def test_the_parent_of_a_file_never_read_is_never_evicted(tmp_path, monkeypatch):
+    """A delta unreadable since the start (its chain unknown): its parent looked like a
+    leaf and went first. Nothing of its namespace is evicted until it is read."""
+    store, a, b = two_namespaces(tmp_path)
+    rng = np.random.default_rng(0)
+    p = prompt(1, vocab=256)
+    parent, _ = save(store, a, p, 48, rng)
+    child, _ = save(store, a, p, 112, rng)
+    real = scan_mod.read_indexable
+    monkeypatch.setattr(
+        scan_mod,
+        "read_indexable",
+        lambda fd, sha1: (
+            (OSError(errno.EIO, "I/O error"), -1) if sha1 == child.sha1 else real(fd, sha1)
+        ),
+    )
+    os.unlink(os.path.join(store.root, NAME))
+    fresh = Store(store.root, space_bytes=1 << 30)
+    fresh.start(background=False)  # a scan: the child never read
+    on_disk = sum(os.path.getsize(store.path(a, e.sha1)) for e in (parent, child))
+    fresh.space_bytes = on_disk + 15000
+    for seed in range(2, 5):
+        save(fresh, b, prompt(seed, vocab=256), 48, rng)
+    assert os.path.exists(store.path(a, parent.sha1))
+    assert on_disk_orphans(store.root) == []
+    assert fresh.index.total_bytes + fresh.scanner.bad_bytes() <= fresh.space_bytes
