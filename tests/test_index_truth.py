@@ -315,6 +315,8 @@ def test_a_lock_that_is_not_a_file_never_stops_a_start_or_a_save(tmp_path, kind)
 
 
 def test_a_copied_cache_is_indexed_by_its_own_inodes(tmp_path):
+    """A journal-started index of a copied cache kept the old inodes: hits were not
+    recorded (``touch`` skips another file), partial lookups missed (``read_ids``)."""
     a, ns = make(tmp_path)
     rng = np.random.default_rng(0)
     p = prompt(1, vocab=256)
@@ -323,6 +325,7 @@ def test_a_copied_cache_is_indexed_by_its_own_inodes(tmp_path):
     copy = str(tmp_path / "copy")
     shutil.copytree(a.root, copy)
     c = Store(copy, space_bytes=1 << 30)
+    assert not c.scanner.start()  # the journal names the old volume's inodes: not used
     c.start(background=False)
     assert view(c) == truth(copy)
     entry = c.index.get(ns, delta.sha1)
@@ -388,3 +391,22 @@ def test_the_parent_of_a_file_never_read_is_never_evicted(tmp_path, monkeypatch)
     assert os.path.exists(store.path(a, parent.sha1))
     assert on_disk_orphans(store.root) == []
     assert fresh.index.total_bytes + fresh.scanner.bad_bytes() <= fresh.space_bytes
+
+
+def test_the_background_listing_reads_a_copied_cache_again(tmp_path):
+    """Without the journal's directory check (a journal written before it, in the same
+    directory inode), the first background listing compares identity and reads every
+    file under its new inode again."""
+    a, ns = make(tmp_path)
+    rng = np.random.default_rng(0)
+    delta = None
+    for length in (48, 112):
+        delta, _ = save(a, ns, prompt(1, vocab=256), length, rng)
+    b = Store(a.root, space_bytes=1 << 30)
+    assert b.scanner.start()
+    for entry in list(b.index.entries()):  # the old volume's identities
+        entry.inode += 1000
+    b.scanner.reconcile()
+    assert view(b) == truth(a.root)
+    b.touch(ns, delta.sha1)
+    assert b.index.get(ns, delta.sha1).hits == 1

@@ -140,6 +140,7 @@ class Journal:
         gen = obj.get("id")
         if not isinstance(gen, str) or _GENERATION.fullmatch(gen) is None:
             raise JournalError("no generation")
+        count_of(obj.get("root"))
         return obj
 
     def _ident(self, fd: int) -> tuple[int, str]:
@@ -166,6 +167,10 @@ class Journal:
             return None
         try:
             header = self._header(fd)
+            if header["root"] != os.fstat(self.root_fd).st_ino:
+                # Copied or restored into another directory: its entries' inodes are the
+                # old volume's (hits not counted, stored ids not read): list instead.
+                raise JournalError("written for another directory (a copied cache?)")
             data = self._read_all(fd, 0)
             want = int(header["entries"])
             # Counted before split: a hostile file of short lines would take GBs as objects.
@@ -313,6 +318,11 @@ class Journal:
         body = b"".join(rows)
         header = b""
         gen = secrets.token_hex(8)
+        try:
+            root = os.fstat(self.root_fd).st_ino
+        except OSError as exc:
+            log.warning("kvdisk: journal not rewritten: %s", exc)
+            return False
         for _ in range(3):  # the offset is written in the header that precedes it
             obj = {
                 "kvdisk_journal": VERSION,
@@ -321,6 +331,7 @@ class Journal:
                 "entries": len(rows),
                 "changes_at": len(header) + len(body),
                 "id": gen,
+                "root": root,
             }
             header = json.dumps(obj, separators=(",", ":")).encode() + b"\n"
         size = len(header) + len(body)
