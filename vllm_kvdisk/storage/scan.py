@@ -338,6 +338,10 @@ class Scanner:
             self._views.setdefault(ns, _View()).bad[sha1] = _Bad(entry.inode, entry.size, entry)
         self._lost(ns)
 
+    def relist(self, ns: str) -> None:
+        """An entry left the index while its name may still be on disk: list again."""
+        self._lost(ns)
+
     def _lost(self, ns: str | None = None) -> None:
         """The view stopped being whole; ``ns``: that namespace's next refresh lists it."""
         self._whole_at = None

@@ -375,8 +375,9 @@ class Store:
         later refresh (None)."""
         self.scanner.rejected.append((ns, sha1, why))
         entry = self.index.get(ns, sha1)
+        removed = None
         if entry is not None and (inode is None or entry.inode == inode):
-            self.index.remove(ns, sha1)
+            removed = self.index.remove(ns, sha1)
         state = None if self.readonly else self.directory.namespace(ns)
         if state is None:
             return False
@@ -386,12 +387,14 @@ class Store:
                 if done is not None:  # moved or deleted in place: a removal, counted
                     self.scanner.names_changed(remove=[(ns, sha1, inode)])
         except fsdir.LockTimeout:
-            if entry is not None:
-                self.index.add(entry)  # still on disk: known bad until it is moved
-                self.scanner.forget(ns, sha1, inode)
+            if removed is not None:
+                self.index.add(removed)  # still on disk: known bad until it is moved
+            self.scanner.forget(ns, sha1, inode)
             return None
-        if done is not None:
-            self.stats.quarantined += 1
+        if done is None:  # its name left as it is (maybe another file now): list it again
+            self.scanner.relist(ns)
+            return False
+        self.stats.quarantined += 1
         return done == "moved"
 
     def forget(self, ns: str, sha1: str) -> None:
