@@ -131,7 +131,7 @@ def test_a_journal_that_cannot_be_trusted_is_not_used(tmp_path, damage):
     elif damage == "torn snapshot":
         open(path, "wb").write(raw[: len(lines[0]) + 40])
     elif damage == "foreign version":
-        open(path, "wb").write(raw.replace(b'"kvdisk_journal":1', b'"kvdisk_journal":9', 1))
+        open(path, "wb").write(raw.replace(b'"kvdisk_journal":2', b'"kvdisk_journal":9', 1))
     elif damage == "fifo":
         os.mkfifo(path)
     elif damage == "symlink":

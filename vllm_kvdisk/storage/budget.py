@@ -215,13 +215,18 @@ class Budget:
     def _shortfall(self, size: int, incoming: int) -> int:
         """Bytes to free so a file of ``size`` fits the budget and the watermark
         (``incoming``: how much of it is not on the volume yet)."""
-        over_budget = self.index.total_bytes + size - self.space_bytes
+        over_budget = self.index.total_bytes + self.scanner.bad_bytes() + size - self.space_bytes
         try:
             st = self._statvfs(self.directory.fd)
             short_free = self.min_free_bytes - (st.f_bavail * st.f_frsize - incoming)
         except OSError:
             short_free = 0
         return max(over_budget, short_free)
+
+    def _guarded(self) -> set[Key]:
+        """Files never evicted now: those of a namespace holding a file known bad whose
+        chain is unknown (``Scanner.guarded``)."""
+        return {e.key for ns in self.scanner.guarded() for e in self.index.namespace_entries(ns)}
 
     def _groups(self) -> dict[str, str]:
         """TP groups of the indexed namespaces: ranks of one engine lose a file together."""
@@ -236,17 +241,19 @@ class Budget:
         victim that is not the file its entry says (another replica's hits, another file
         on its name) is read again and the plan made again; after a few rounds, the
         directory is listed and stat'ed whole."""
+        keep = keep | self._guarded()
         for attempt in range(RECHECKS + 1):
             if attempt == RECHECKS:
                 self.scanner.refresh_all(force=True)
                 need = shortfall()
             with bulk():  # O(files) small objects: the collector would walk the index
+                # Files known bad are on disk: their parents are no leaves.
                 plan = plan_eviction(
                     self.index,
                     need,
                     self.clock(),
                     keep,
-                    adding=adding,
+                    adding=adding + self.scanner.bad_entries(),
                     groups=self._groups(),
                     share_bytes=self.share_bytes,
                 )
@@ -285,7 +292,8 @@ class Budget:
                 self.index,
                 need_bytes,
                 self.clock(),
-                protect,
+                set(protect) | self._guarded(),
+                adding=self.scanner.bad_entries(),
                 groups=self._groups(),
                 share_bytes=self.share_bytes,
             )

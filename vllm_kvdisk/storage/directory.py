@@ -103,7 +103,7 @@ class Directory:
         root: str,
         *,
         mutex: threading.RLock,
-        on_replaced: Callable[[str], None],
+        on_replaced: Callable[[str, bool], None],
         readonly: bool = False,
         allow_shared_dir: bool = False,
         max_open: int = MAX_OPEN,
@@ -166,12 +166,12 @@ class Directory:
                 else fsdir.open_dir(ns, self.fd)
             )
         except FileNotFoundError:
-            self._replaced(ns)
+            self._replaced(ns, gone=True)
             return None
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 log.warning("kvdisk: %s/%s is not a real directory; ignored", self.root, ns)
-                self._replaced(ns)
+                self._replaced(ns, gone=True)
                 return None
             raise
         st = os.fstat(fd)
@@ -187,11 +187,19 @@ class Directory:
         self._close_beyond()
         return state
 
-    def _replaced(self, ns: str) -> None:
+    def drop(self, ns: str) -> None:
+        """Another store removed ``ns`` (its journal says so): close what is open of it, so
+        a directory made later under the name is a new namespace, not a replacement."""
         state = self._ns.pop(ns, None)
         if state is not None:
             self._close(state)
-            self._on_replaced(ns)
+
+    def _replaced(self, ns: str, *, gone: bool = False) -> None:
+        """``ns`` is another directory now, or (``gone``) no namespace at all."""
+        state = self._ns.pop(ns, None)
+        if state is not None:
+            self._close(state)
+            self._on_replaced(ns, gone)
 
     def _close(self, state: NamespaceDir) -> None:
         if state.fd >= 0:

@@ -424,6 +424,7 @@ def read_indexable(dir_fd: int, sha1: str) -> tuple[Any, int]:
         return (read_summary(fd, st.st_size), st.st_size, st.st_ino, st.st_mtime_ns), fd
     except (FormatError, OSError) as exc:
         exc.inode, exc.dev = st.st_ino, st.st_dev  # type: ignore[union-attr]
+        exc.size = st.st_size  # type: ignore[union-attr]
         return exc, fd
     except Exception as exc:  # noqa: BLE001 - a bug of ours, not proof of corruption
         log.exception("kvdisk: cannot index %s.kv; leaving it alone", sha1)

@@ -5,8 +5,13 @@ listing of 100k files takes seconds on a network file system, reading their head
 minutes).
 
 * One JSON object per line. The first line is the header: the version, the entry fields,
-  the lock count the snapshot is whole at (``count``), how many entries follow it, and
-  the byte offset where the change lines start. Then one line per entry (a JSON list in
+  the lock count the snapshot is whole at (``count``), how many entries follow it, the
+  byte offset where the change lines start, and the journal's generation (``id``, 16
+  random hex digits, new at every rewrite). A journal is this store's journal by
+  (inode, generation), never its inode alone: ext4 hands a freed inode to the next
+  file, so after two rewrites the new journal can be on the inode a reader remembers,
+  and read from that reader's old offset it said nothing new (and a writer's append
+  went past the end, where no reader looks). Then one line per entry (a JSON list in
   the order of ``fields``), then one line per counted change: ``before`` and ``after``
   (the lock's count around it) and what it did: ``add`` (entries), ``remove`` ([ns,
   sha1, inode or null]) and ``gone`` (namespaces removed).
@@ -31,6 +36,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import secrets
 from collections.abc import Iterable
 from typing import Any
 
@@ -52,7 +59,8 @@ from vllm_kvdisk.storage import fsdir
 log = get_logger(__name__)
 
 NAME = ".journal"
-VERSION = 1
+VERSION = 2  # 2: the header's generation ``id``
+_GENERATION = re.compile(r"[0-9a-f]{16}")
 MAX_HEADER_BYTES = 4096
 MAX_BYTES = 1 << 30  # a journal read at once (~0.3 KB per checkpoint: 3M checkpoints)
 MIN_ROOM = 16 << 20  # a new journal's size: its snapshot, then zeros for change lines
@@ -75,7 +83,8 @@ class Journal:
         self.readonly = readonly
         self.drop_cache = drop_cache  # reads ask the volume (``fsdir.drops_cache``)
         self.lines = 0  # change lines after the snapshot, as far as this store read
-        self._at: tuple[int, int] | None = None  # (inode, offset) read up to
+        # ((inode, generation) of the journal read, the offset read up to; -1: not used)
+        self._at: tuple[tuple[int, str], int] | None = None
 
     # -- reading ----------------------------------------------------------------------
     def _open(self, flags: int = os.O_RDONLY) -> int:
@@ -128,7 +137,27 @@ class Journal:
             raise JournalError("other entry fields")
         for key in ("count", "entries", "changes_at"):
             count_of(obj.get(key))
+        gen = obj.get("id")
+        if not isinstance(gen, str) or _GENERATION.fullmatch(gen) is None:
+            raise JournalError("no generation")
+        count_of(obj.get("root"))
         return obj
+
+    def _ident(self, fd: int) -> tuple[int, str]:
+        """(inode, generation) of the journal open as ``fd``; JournalError, OSError."""
+        if self.drop_cache:
+            fsdir.drop_cached(fd, 0, MAX_HEADER_BYTES)
+        return os.fstat(fd).st_ino, str(self._header(fd)["id"])
+
+    def _offset(self, fd: int) -> int:
+        """Where this store read up to in the journal open as ``fd``: 0 if it is another
+        journal than the one read (or the offset is unknown)."""
+        if self._at is None or self._at[1] < 0:
+            return 0
+        try:
+            return self._at[1] if self._ident(fd) == self._at[0] else 0
+        except JournalError:
+            return 0
 
     def load(self) -> Loaded | None:
         """The whole journal (None: there is none, or it cannot be used; logged). Reading
@@ -138,6 +167,10 @@ class Journal:
             return None
         try:
             header = self._header(fd)
+            if header["root"] != os.fstat(self.root_fd).st_ino:
+                # Copied or restored into another directory: its entries' inodes are the
+                # old volume's (hits not counted, stored ids not read): list instead.
+                raise JournalError("written for another directory (a copied cache?)")
             data = self._read_all(fd, 0)
             want = int(header["entries"])
             # Counted before split: a hostile file of short lines would take GBs as objects.
@@ -156,13 +189,16 @@ class Journal:
                 raise JournalError("entry lines do not match the header")
             entries = [row_entry(row) for row in rows]
             changes = [parse_change(line) for line in lines[want + 1 :]]
-            self._at = (os.fstat(fd).st_ino, used)
+            self._at = ((os.fstat(fd).st_ino, str(header["id"])), used)
             self.lines = len(changes)
             return Loaded(int(header["count"]), entries, changes)
         except (JournalError, OSError, RecursionError) as exc:
             log.warning("kvdisk: journal not used: %s", exc)
-            with contextlib.suppress(OSError):
-                self._at = (os.fstat(fd).st_ino, -1)  # not read again until replaced
+            with contextlib.suppress(OSError):  # not read again until replaced
+                try:
+                    self._at = (self._ident(fd), -1)
+                except JournalError:
+                    self._at = ((os.fstat(fd).st_ino, ""), -1)
             return None
         finally:
             os.close(fd)
@@ -178,14 +214,16 @@ class Journal:
         except OSError:
             return None
         try:
-            inode, offset = self._at
-            if os.fstat(fd).st_ino != inode:
+            ident, offset = self._at
+            if self._ident(fd) != ident:
                 os.close(fd)
                 fd = -1
                 return self.load()
+            if offset < 0:
+                return None  # a journal this store could not use
             data = self._read_all(fd, offset)
             lines, used = _lines(data)
-            self._at = (inode, offset + used)  # a bad line is not read twice
+            self._at = (ident, offset + used)  # a bad line is not read twice
             changes = [parse_change(line) for line in lines]
             self.lines += len(changes)
             return changes
@@ -204,7 +242,7 @@ class Journal:
             self._at = None
             return
         try:
-            self._at = (os.fstat(fd).st_ino, self._ends(fd)[0])
+            self._at = (self._ident(fd), self._ends(fd)[0])
         except (OSError, JournalError):
             self._at = None
         finally:
@@ -213,11 +251,7 @@ class Journal:
     def _ends(self, fd: int) -> tuple[int, int]:
         """(the offset after the last complete line, the offset of the first zero byte:
         where the next line goes). They differ after a writer was killed mid-line."""
-        start = (
-            self._at[1]
-            if self._at is not None and self._at[0] == os.fstat(fd).st_ino and self._at[1] >= 0
-            else 0
-        )
+        start = self._offset(fd)
         data = self._read_all(fd, start)
         return start + data.rfind(b"\n") + 1, start + len(data)
 
@@ -228,10 +262,15 @@ class Journal:
         if self._at is None:
             return False
         try:
-            st = os.stat(NAME, dir_fd=self.root_fd, follow_symlinks=False)
+            fd = self._open()
         except OSError:
             return False
-        return st.st_ino != self._at[0]
+        try:
+            return self._ident(fd) != self._at[0]
+        except (OSError, JournalError):
+            return False
+        finally:
+            os.close(fd)
 
     # -- writing (under the lock) -----------------------------------------------------
     def append(self, change: Change) -> bool:
@@ -245,6 +284,7 @@ class Journal:
             return False
         try:
             st = os.fstat(fd)
+            ident = self._ident(fd)
             complete, end = self._ends(fd)
             line = change_line(change)
             if complete != end:
@@ -255,8 +295,8 @@ class Journal:
             while view:
                 done = os.pwrite(fd, view, at)
                 view, at = view[done:], at + done
-            if self._at is not None and self._at == (st.st_ino, complete):
-                self._at = (st.st_ino, end + len(line))  # read our own line already
+            if self._at is not None and self._at == (ident, complete):
+                self._at = (ident, end + len(line))  # read our own line already
                 self.lines += 1
             return True
         except (OSError, JournalError) as exc:
@@ -277,6 +317,12 @@ class Journal:
         ]
         body = b"".join(rows)
         header = b""
+        gen = secrets.token_hex(8)
+        try:
+            root = os.fstat(self.root_fd).st_ino
+        except OSError as exc:
+            log.warning("kvdisk: journal not rewritten: %s", exc)
+            return False
         for _ in range(3):  # the offset is written in the header that precedes it
             obj = {
                 "kvdisk_journal": VERSION,
@@ -284,6 +330,8 @@ class Journal:
                 "count": count,
                 "entries": len(rows),
                 "changes_at": len(header) + len(body),
+                "id": gen,
+                "root": root,
             }
             header = json.dumps(obj, separators=(",", ":")).encode() + b"\n"
         size = len(header) + len(body)
@@ -298,6 +346,6 @@ class Journal:
         except OSError as exc:
             log.warning("kvdisk: journal not rewritten: %s", exc)
             return False
-        self._at = (inode, len(header) + len(body))
+        self._at = ((inode, gen), len(header) + len(body))
         self.lines = 0
         return True

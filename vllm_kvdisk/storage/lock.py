@@ -2,7 +2,9 @@
 and the count of those changes in its first 8 bytes.
 
 * The lock is waited on for at most a timeout (``fsdir.locked``): a stuck network file
-  system costs a skipped save, never a stalled engine. It is re-entrant within a thread:
+  system costs a skipped save, never a stalled engine. A ``.lock`` that cannot be
+  opened or locked (a FIFO, a directory, EACCES) is a lock that is never free
+  (``LockTimeout``), never an error raised into the engine. It is re-entrant within a thread:
   a refresh under a save's lock may quarantine, which takes it too (a second ``flock`` of
   our own would wait for ourselves).
 * Checkpoint names change only under the lock (a save's rename, an eviction, gc, a
@@ -20,6 +22,7 @@ Pure: standard library.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import threading
@@ -56,11 +59,25 @@ class DirLock:
             finally:
                 self._held.depth = depth
             return
-        with fsdir.locked(
-            self.directory.fd,
-            self.timeout_s if timeout_s is None else timeout_s,
-            drop_cache=self.directory.drops_cache,
-        ) as fd:
+        with contextlib.ExitStack() as stack:
+            try:
+                fd = stack.enter_context(
+                    fsdir.locked(
+                        self.directory.fd,
+                        self.timeout_s if timeout_s is None else timeout_s,
+                        drop_cache=self.directory.drops_cache,
+                    )
+                )
+            except fsdir.LockTimeout:
+                raise
+            except OSError as exc:
+                # Not a file we can lock (a FIFO, a directory, EACCES, a read-only volume):
+                # what a busy lock costs, a skipped change, never an error out of a start,
+                # a save or a load.
+                raise fsdir.LockTimeout(
+                    exc.errno or errno.EIO,
+                    f"cache lock {self.directory.root}/.lock unusable: {exc}",
+                ) from None
             self._held.depth, self._held.fd = 1, fd
             try:
                 yield

@@ -1,9 +1,13 @@
 """The quarantine: files proven corrupt, moved aside with a note, bounded in size.
 
-``ROOT/quarantine/<namespace>-<sha1>-<unix time>.kv`` plus a ``.why`` note beside it.
-Evidence is kept when it can be: a quarantine that is not a real directory (a symlink
-someone planted) is never used, and the bad file is deleted in place instead. The oldest
-files go first once there are more than :data:`MAX_FILES` or more than ``max_bytes``.
+``ROOT/quarantine/<namespace>-<sha1>-<unix time ns>-<16 random hex>.kv`` plus a ``.why``
+note beside it: a name never used twice, so two quarantines of one file in one clock
+tick keep both files and both notes. Evidence is kept when it can be: a quarantine that
+is not a real directory (a symlink someone planted, a plain file) is never used, and the
+bad file is deleted in place instead (a removal like any other: the caller counts and
+journals it). The files quarantined longest ago go first (by the time in their names,
+not their write time, which a rename keeps: an old file quarantined last is the newest
+evidence) once there are more than :data:`MAX_FILES` or more than ``max_bytes``.
 Pure: standard library.
 """
 
@@ -12,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import secrets
 import stat
 from collections.abc import Callable
 
@@ -32,38 +37,36 @@ class Quarantine:
 
     def move(
         self, dir_fd: int, ns: str, sha1: str, why: str, inode: int | None, dev: int | None = None
-    ) -> bool:
-        """Move ``<sha1>.kv`` out of ``dir_fd``; True if it was moved. Only a regular file,
-        and only if it is still ``inode`` on ``dev``, when given. The caller holds the
-        directory lock (writers rename under it, so the name cannot change between this
-        check and the rename) and the descriptor it read (so the inode cannot be reused)."""
+    ) -> str | None:
+        """Move ``<sha1>.kv`` out of ``dir_fd``: "moved", "deleted" (the quarantine or the
+        rename failed: deleted in place), None if its name was left as it is. Only a
+        regular file, and only if it is still ``inode`` on ``dev``, when given. The caller
+        holds the directory lock (writers rename under it, so the name cannot change
+        between this check and the rename) and the descriptor it read (so the inode
+        cannot be reused); it counts and journals every removal."""
         name = f"{sha1}.kv"
         try:
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except OSError:
-            return False
+            return None
         if not stat.S_ISREG(st.st_mode):
-            return False  # a FIFO, a device, a directory: not a file of ours, not evidence
+            return None  # a FIFO, a device, a directory: not a file of ours, not evidence
         if (inode is not None and st.st_ino != inode) or (dev is not None and st.st_dev != dev):
-            return False  # a sound replacement written meanwhile: not ours to move
+            return None  # a sound replacement written meanwhile: not ours to move
         try:
             qfd = fsdir.make_dir(DIRNAME, self.root_fd)
         except OSError as exc:
             log.warning("kvdisk: quarantine unusable (%s); deleting %s/%s instead", exc, ns, name)
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=dir_fd)
-            return False
-        dest = f"{ns}-{sha1}-{int(self.clock())}.kv"
+            return _delete(dir_fd, name)
+        dest = f"{ns}-{sha1}-{int(self.clock() * 1e9)}-{secrets.token_hex(8)}.kv"
         try:
             try:
                 os.rename(name, dest, src_dir_fd=dir_fd, dst_dir_fd=qfd)
             except OSError as exc:
                 if exc.errno == errno.ENOENT:
-                    return False
+                    return None
                 log.warning("kvdisk: could not quarantine %s: %s; deleting it", sha1, exc)
-                with contextlib.suppress(OSError):
-                    os.unlink(name, dir_fd=dir_fd)
-                return False
+                return _delete(dir_fd, name)
             with contextlib.suppress(OSError):
                 fd = os.open(
                     dest + ".why",
@@ -73,11 +76,14 @@ class Quarantine:
                 )
                 with os.fdopen(fd, "w") as fh:
                     fh.write(why[:4096] + "\n")
-            self._trim(qfd)
+            try:  # the move happened: a failed trim must not hide it from the caller
+                self._trim(qfd)
+            except OSError as exc:
+                log.warning("kvdisk: quarantine not trimmed: %s", exc)
         finally:
             os.close(qfd)
         log.warning("kvdisk: quarantined %s/%s.kv: %s", ns, sha1, why)
-        return True
+        return "moved"
 
     def _trim(self, qfd: int) -> None:
         files = []
@@ -85,7 +91,7 @@ class Quarantine:
             for de in it:
                 if de.name.endswith(".kv") and de.is_file(follow_symlinks=False):
                     st = de.stat(follow_symlinks=False)
-                    files.append((st.st_mtime, de.name, st.st_size))
+                    files.append((_moved_at(de.name), de.name, st.st_size))
         files.sort()
         total = sum(size for _, _, size in files)
         while files and (len(files) > MAX_FILES or total > self.max_bytes):
@@ -111,3 +117,25 @@ class Quarantine:
                 )
         finally:
             os.close(fd)
+
+
+def _delete(dir_fd: int, name: str) -> str | None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("kvdisk: could not delete %s either: %s", name, exc)
+        return None
+    return "deleted"
+
+
+def _moved_at(name: str) -> int:
+    """When a file was quarantined, from its name (ns since the epoch; 0 for a name of an
+    older kvdisk or of someone else, which goes first)."""
+    parts = name[: -len(".kv")].split("-")
+    if len(parts) == 4 and parts[2].isdigit():
+        return int(parts[2])
+    if len(parts) == 3 and parts[2].isdigit():  # <ns>-<sha1>-<unix time s>: older names
+        return int(parts[2]) * 1_000_000_000
+    return 0

@@ -7,15 +7,21 @@
   Every name this store changes is counted and journaled (``names_changed``).
 * Only when the journal cannot say (none, a gap, an unknown count) does it list: one stat
   of a namespace directory when its mtime is unchanged (an mtime read within a timestamp
-  tick of the change is not trusted), else a listing; a forced refresh also stats every
-  file, (inode, size, mtime): an inode alone is reused at once by the next file.
+  tick of the change is not trusted), else a listing; a forced refresh, a catch-up's
+  listing and the background listing also stat every file, (inode, size, mtime): an
+  inode alone is reused at once by the next file (and a copied cache has other inodes).
 * A scan reads each file's first bytes (header, sections table, stored-id digests),
   never payloads; a start reads the journal instead and lists in the background
   (``reconcile``). An eviction stats only its victims (``verify_victims``).
 * Only a file proven corrupt in this build's format version is quarantined (by the
   ``quarantine`` the owner hands in). A file of another version is skipped (remembered
   by inode, so it is not re-read); one that cannot be read right now (EIO, ESTALE,
-  EMFILE) keeps its directory "changed" and is tried again.
+  EMFILE, a failed load: ``forget``) is known bad (``_Bad``): the view can be whole, its
+  parent is no leaf, its bytes count, and its directory stays "changed", so it is tried
+  again. An entry that leaves the index without its name changing makes its namespace's
+  next listing real (``relist``), even when the journal says nothing changed.
+* Errors are handled per namespace: one that cannot be listed is that namespace's gap,
+  never the end of a listing of the others.
 * A temp file whose writer is gone (its lock is free) is removed by the next listing.
 * Only regular files are opened, never blocking (``fsdir.open_regular``): a FIFO, socket,
   device node or directory named like a checkpoint is skipped, never quarantined. A file
@@ -55,11 +61,27 @@ COMPACT_LINES = 4096  # change lines after which the journal's snapshot is rewri
 
 
 @dataclass(slots=True)
+class _Bad:
+    """A file known bad: its inode (0: unknown), its bytes (in the budget), and the entry
+    it had, if it was ever read (its parent is then no leaf; without one, its chain is
+    unknown and nothing of its namespace is evicted: ``Scanner.guarded``)."""
+
+    inode: int
+    size: int
+    entry: Entry | None
+
+
+@dataclass(slots=True)
 class _View:
     """What the last refresh of one namespace saw."""
 
     mtime_ns: int = -1  # the directory's mtime then (-1: list it at the next refresh)
     skipped: dict[str, tuple[int, str]] = field(default_factory=dict)  # name -> (inode, why)
+    # Known bad: files on disk that cannot be read now (EIO, ESTALE, EMFILE, a failed
+    # load). Known, so the index can be whole; read again at each listing of the
+    # namespace, which stays "changed" while it has any.
+    bad: dict[str, _Bad] = field(default_factory=dict)
+    relist: bool = False  # an entry left the index: the next catch-up lists this namespace
 
 
 class Scanner:
@@ -147,7 +169,7 @@ class Scanner:
                     self._whole_at = count if self._whole_at == -1 else None
                 if self._whole_at != count:
                     return False
-                return self.journal.compact(count, self.index.entries())
+                return self.journal.compact(count, self.on_disk())
         except fsdir.LockTimeout:
             return False
 
@@ -162,21 +184,26 @@ class Scanner:
                     return True
                 return self._refresh(ns, force)
             except OSError as exc:
-                self._lost()
+                self._lost(ns)
                 log.warning("kvdisk: could not refresh %s/%s: %s", self.directory.root, ns, exc)
                 return False
 
-    def refresh_all(self, force: bool = False) -> None:
-        """Refresh every namespace, forgetting those gone (under the mutex)."""
+    def refresh_all(self, force: bool = False, *, identity: bool = False) -> None:
+        """Refresh every namespace, forgetting those gone (under the mutex); an error is
+        its namespace's alone. ``identity``: a listed namespace's files are stat'ed too."""
         names = self.directory.namespaces()
         for ns in (self.directory.opened() | set(self.index.namespaces())) - set(names):
-            if self.directory.namespace(ns) is None:  # gone: forget its entries
-                self.forget_namespace(ns)
+            try:
+                if self.directory.namespace(ns) is None:  # gone: forget its entries
+                    self.forget_namespace(ns, gone=True)
+            except OSError as exc:
+                self._lost(ns)
+                log.warning("kvdisk: could not open %s/%s: %s", self.directory.root, ns, exc)
         for ns in names:
             try:
-                self._refresh(ns, force)
+                self._refresh(ns, force, identity=identity)
             except OSError as exc:
-                self._lost()
+                self._lost(ns)
                 log.warning("kvdisk: could not refresh %s/%s: %s", self.directory.root, ns, exc)
 
     # -- the view under the lock ------------------------------------------------------
@@ -186,17 +213,30 @@ class Scanner:
         count = self.lock.count()
         followed = count is not None and count != self._whole_at and self._follow()
         if followed and self._whole_at == count:
-            return  # the journal said what changed: nothing listed
+            self._relist()  # the journal said what changed: only dropped entries listed
+            return
         if count is None or count != self._whole_at:
             # Whole at this count (-1: whole, count unknown) once the listing is done,
             # unless it found a file it cannot read. Not before: a quarantine during the
             # listing journals a change, and a view called whole then would write a
             # snapshot of the namespaces not listed yet.
+            # Each listed namespace's files are stat'ed (inode, size, mtime): after a gap
+            # a name may be another file on the inode its predecessor freed.
             self._whole_at, gaps = None, self._gaps
-            self.refresh_all()
+            self.refresh_all(identity=True)
             if self._gaps == gaps:
                 self._whole_at = -1 if count is None else count
                 self.journal.skip_to_end()  # every line there is in what was listed
+
+    def _relist(self) -> None:
+        """Under the mutex: list the namespaces an entry left without its name changing
+        (``forget``), so a file dropped from the index is found again or known bad."""
+        for ns in [ns for ns, view in self._views.items() if view.relist]:
+            try:
+                self._refresh(ns, False, identity=True)
+            except OSError as exc:
+                self._lost(ns)
+                log.warning("kvdisk: could not refresh %s/%s: %s", self.directory.root, ns, exc)
 
     def _follow(self) -> bool:
         """Under the mutex: apply the journal's new lines to an index whole at a known
@@ -213,6 +253,15 @@ class Scanner:
             return False
         with bulk():  # after a rewrite, every entry of the new snapshot
             self._whole_at = replay(self.index, self._whole_at, got)
+        for change in got.changes if isinstance(got, Loaded) else got:
+            # A name another store removed or wrote again is no longer known bad here.
+            for ns, sha1, _ in change.remove:
+                self._views.get(ns, _View()).bad.pop(sha1, None)
+            for entry in change.add:
+                self._views.get(entry.ns, _View()).bad.pop(entry.sha1, None)
+            for ns in change.gone:
+                self._views.pop(ns, None)
+                self.directory.drop(ns)
         return self._whole_at is not None
 
     def journaled(self) -> bool:  # refreshes read the journal's lines, not listings
@@ -242,29 +291,82 @@ class Scanner:
         appended = before is not None and self.journal.append(
             Change(before, after, list(add), list(remove), list(gone))
         )
+        for ns, sha1, _ in remove:
+            view = self._views.get(ns)
+            if view is not None:
+                view.bad.pop(sha1, None)
         if whole and (not appended or self.journal.lines > max(COMPACT_LINES, len(self.index))):
-            self.journal.compact(after, self.index.entries())
+            self.journal.compact(after, self.on_disk())
 
-    def not_whole(self) -> None:
-        """A file left the index without its name changing: list again at the next save."""
-        self._lost()
+    def on_disk(self) -> list[Entry]:
+        """What a snapshot names: the index's entries and those of files known bad."""
+        return [*self.index.entries(), *self.bad_entries()]
 
-    def _lost(self) -> None:
+    def bad_entries(self) -> list[Entry]:
+        """The last entries of files known bad: never evicted, and their parents never
+        leaves (eviction plans take them as files being added)."""
+        return [
+            bad.entry
+            for view in self._views.values()
+            for bad in view.bad.values()
+            if bad.entry is not None and bad.entry.key not in self.index
+        ]
+
+    def bad_bytes(self) -> int:
+        return sum(
+            bad.size
+            for view in self._views.values()
+            for bad in view.bad.values()
+            if bad.entry is None or bad.entry.key not in self.index
+        )
+
+    def guarded(self) -> set[str]:
+        """Namespaces holding a file known bad that was never read: its parent, unknown,
+        could be any of their files, so none of them is evicted until it is read."""
+        return {
+            ns
+            for ns, view in self._views.items()
+            if any(bad.entry is None for bad in view.bad.values())
+        }
+
+    def forget(self, ns: str, sha1: str, inode: int | None = None) -> None:
+        """A file left the index without its name changing (a load failed, a corrupt file
+        could not be moved now): it is known bad until the next listing of its namespace,
+        which is a real one (its directory's mtime did not move) and reads it again."""
+        entry = self.index.get(ns, sha1)
+        if entry is not None and (inode is None or entry.inode == inode):
+            self.index.remove(ns, sha1)
+            self._views.setdefault(ns, _View()).bad[sha1] = _Bad(entry.inode, entry.size, entry)
+        self._lost(ns)
+
+    def relist(self, ns: str) -> None:
+        """An entry left the index while its name may still be on disk: list again."""
+        self._lost(ns)
+
+    def _lost(self, ns: str | None = None) -> None:
+        """The view stopped being whole; ``ns``: that namespace's next refresh lists it."""
         self._whole_at = None
         self._gaps += 1
+        if ns is not None:
+            view = self._views.setdefault(ns, _View())
+            view.mtime_ns, view.relist = -1, True
 
-    def forget_namespace(self, ns: str) -> None:
-        """The namespace is gone or another directory now: none of its entries stay."""
-        self._lost()  # a listing must find its files again
+    def forget_namespace(self, ns: str, *, gone: bool = False) -> None:
+        """The namespace is another directory now, or (``gone``) no namespace at all: none
+        of its entries stay. A directory that is gone takes exactly its entries with it, so
+        the view stays whole (a removal another store journaled, an empty namespace
+        removed); another directory under the name must be listed to be known."""
+        if not gone:
+            self._lost()
         self._views.pop(ns, None)
         for entry in self.index.namespace_entries(ns):
             self.index.remove(ns, entry.sha1)
 
     # -- one namespace ----------------------------------------------------------------
-    def _refresh(self, ns: str, force: bool) -> bool:
+    def _refresh(self, ns: str, force: bool, *, identity: bool = False) -> bool:
         state = self.directory.namespace(ns)
         if state is None:
-            self.forget_namespace(ns)
+            self.forget_namespace(ns, gone=True)
             return True
         view = self._views.setdefault(ns, _View())
         looked_ns = time.time_ns()
@@ -272,14 +374,16 @@ class Scanner:
         if not force and mtime == view.mtime_ns:
             return False
         listed = self._list(state.fd)
+        view.relist = False
         for entry in self.index.namespace_entries(ns):
             # Deleted or replaced by another process; when forced (every eviction decision
-            # and verify), also replaced on this file's freed inode, or its header changed
-            # in place (hits): a stat per file, 4 us each, so not at every lookup's refresh.
+            # and verify) or catching up after a gap, also replaced on this file's freed
+            # inode, or its header changed in place (hits): a stat per file, 4 us each, so
+            # not at every lookup's refresh.
             if listed.get(entry.sha1) != entry.inode or (
-                force and not fsdir.same_file(state.fd, f"{entry.sha1}.kv", entry)
+                (force or identity) and not fsdir.same_file(state.fd, f"{entry.sha1}.kv", entry)
             ):
-                self.index.remove(ns, entry.sha1)
+                self._drop(view, entry, entry.sha1 in listed)
         todo = [
             sha1
             for sha1, inode in listed.items()
@@ -290,11 +394,14 @@ class Scanner:
             complete &= self._index_file(ns, view, sha1, found)
         for sha1 in set(view.skipped) - set(listed):
             del view.skipped[sha1]
+        for sha1 in set(view.bad) - set(listed):
+            del view.bad[sha1]
         # A file we could not read right now keeps the directory "changed", so the next
         # refresh tries it again; so does an mtime too recent to be trusted.
-        view.mtime_ns = mtime if complete and not fsdir.racy(mtime, looked_ns) else -1
+        trusted = complete and not view.bad and not fsdir.racy(mtime, looked_ns)
+        view.mtime_ns = mtime if trusted else -1
         if not complete:
-            self._lost()  # a file is missing from the index: list again
+            self._lost(ns)  # a file is missing from the index: list again
         return True
 
     def _list(self, dir_fd: int) -> dict[str, int]:
@@ -315,44 +422,62 @@ class Scanner:
                         os.unlink(de.name, dir_fd=dir_fd)
         return listed
 
-    def reconcile(self) -> None:
+    def reconcile(self, *, identity: bool = True) -> None:
         """After a start from the journal: list every namespace once, outside the mutex
         (seconds for 100k files on a network file system, lookups go on meanwhile), and
         index what the journal missed: files of a writer killed before its line, files
         deleted without the lock, temp files of dead writers."""
-        try:
-            names = self.directory.namespaces()
-            with self._mutex:
-                for ns in set(self.index.namespaces()) - set(names):
-                    if self.directory.namespace(ns) is None:
-                        self.forget_namespace(ns)  # named by the journal, gone from disk
-            for ns in names:
+        names = self.directory.namespaces()
+        for ns in sorted(set(self.index.namespaces()) - set(names)) + names:
+            try:  # an error is its namespace's alone: the others are still listed
+                self._reconcile(ns, identity)
+            except OSError as exc:
                 with self._mutex:
-                    state = self.directory.namespace(ns)
-                    if state is None:
-                        continue
-                    dir_fd = os.dup(state.fd)
-                    known = {e.sha1: e for e in self.index.namespace_entries(ns)}
-                try:
-                    listed = self._list(dir_fd)
-                    with self._mutex:
-                        self._settle(ns, dir_fd, known, listed)
-                finally:
-                    os.close(dir_fd)
-        except OSError as exc:
-            log.warning("kvdisk: could not list %s: %s", self.directory.root, exc)
+                    self._lost(ns)
+                log.warning("kvdisk: could not list %s/%s: %s", self.directory.root, ns, exc)
+
+    def _reconcile(self, ns: str, identity: bool) -> None:
+        with self._mutex:
+            state = self.directory.namespace(ns)
+            if state is None:
+                self.forget_namespace(ns, gone=True)  # named by the journal, gone from disk
+                return
+            dir_fd = os.dup(state.fd)
+            known = {e.sha1: e for e in self.index.namespace_entries(ns)}
+        try:
+            listed = self._list(dir_fd)
+            # Identity, outside the mutex (a stat per file): a cache copied to another
+            # volume, a name another file took on a freed inode, are read again.
+            stale = {
+                sha1
+                for sha1, entry in known.items()
+                if sha1 in listed
+                and (
+                    listed[sha1] != entry.inode
+                    or (identity and not fsdir.same_file(dir_fd, f"{sha1}.kv", entry))
+                )
+            }
+            with self._mutex:
+                self._settle(ns, dir_fd, known, listed, stale)
+        finally:
+            os.close(dir_fd)
 
     def _settle(
-        self, ns: str, dir_fd: int, known: dict[str, Entry], listed: dict[str, int]
+        self,
+        ns: str,
+        dir_fd: int,
+        known: dict[str, Entry],
+        listed: dict[str, int],
+        stale: set[str],
     ) -> None:
+        view = self._views.setdefault(ns, _View())
         for sha1, entry in known.items():
             if (
-                sha1 not in listed
+                (sha1 in stale or sha1 not in listed)
                 and self.index.get(ns, sha1) is entry
                 and not fsdir.same_file(dir_fd, f"{sha1}.kv", entry)
             ):
-                self.index.remove(ns, sha1)
-        view = self._views.setdefault(ns, _View())
+                self._drop(view, entry, sha1 in listed)
         todo = [
             sha1
             for sha1, inode in listed.items()
@@ -360,7 +485,7 @@ class Scanner:
         ]
         for sha1, found in self._read_files(dir_fd, todo):
             if not self._index_file(ns, view, sha1, found):
-                self._lost()
+                self._lost(ns)
 
     def verify_victims(self, plan: list[Entry]) -> bool:
         """Under the lock and the mutex, before an eviction: whether each victim's name
@@ -373,13 +498,22 @@ class Scanner:
             if state is not None and fsdir.same_file(state.fd, f"{entry.sha1}.kv", entry):
                 continue
             same = False
-            self.index.remove(entry.ns, entry.sha1)
-            if state is not None:
+            if state is None:
+                self.index.remove(entry.ns, entry.sha1)
+            else:
                 view = self._views.setdefault(entry.ns, _View())
+                self._drop(view, entry, True)
                 for sha1, found in self._read_files(state.fd, [entry.sha1]):
                     if not self._index_file(entry.ns, view, sha1, found):
-                        self._lost()  # not read now: a listing must find it again
+                        self._lost(entry.ns)  # not read now: a listing must find it again
         return same
+
+    def _drop(self, view: _View, entry: Entry, listed: bool) -> None:
+        """Take an entry out of the index, its file to be read again: known bad meanwhile
+        when its name is still on disk (if it cannot be read, its parent is no leaf)."""
+        self.index.remove(entry.ns, entry.sha1)
+        if listed:
+            view.bad[entry.sha1] = _Bad(entry.inode, entry.size, entry)
 
     def _read_files(self, dir_fd: int, names: list[str]) -> Iterator[tuple[str, Any]]:
         """Read the first bytes of many files, saying every 10 s how far a long scan is (a
@@ -409,8 +543,10 @@ class Scanner:
     def _index_file(self, ns: str, view: _View, sha1: str, found: Any) -> bool:
         """Index what ``_read_one`` found; False if the file should be tried again later."""
         if found is None:
+            view.bad.pop(sha1, None)  # gone
             return True
         if isinstance(found, (UnsupportedFile, fsdir.NotRegularFile)):
+            view.bad.pop(sha1, None)
             view.skipped[sha1] = (getattr(found, "inode", 0), str(found))
             self.rejected.append((ns, sha1, f"unsupported: {found}"))
             return True
@@ -427,12 +563,25 @@ class Scanner:
                 is not None
             )
         if isinstance(found, OSError):
-            return self._unreadable(ns, sha1, found)
+            self._unreadable(ns, view, sha1, found)
+            return True
         summary, size, inode, mtime_ns = found
+        view.bad.pop(sha1, None)
         self.index.add(entry_of(ns, sha1, summary, size, inode, mtime_ns, mtime_ns))
         return True
 
-    def _unreadable(self, ns: str, sha1: str, exc: OSError) -> bool:
+    def _unreadable(self, ns: str, view: _View, sha1: str, exc: OSError) -> None:
+        """Record a file that cannot be read now as known bad (its last entry kept while
+        the name is still its inode, or the inode is unknown), tried again later."""
         self.stats.unreadable += 1
         log.warning("kvdisk: cannot read %s/%s.kv now (%s); will try again", ns, sha1, exc)
-        return False
+        inode = int(getattr(exc, "inode", 0) or 0)
+        size = int(getattr(exc, "size", 0) or 0)
+        known = view.bad.get(sha1)
+        entry = known.entry if known is not None else None
+        if entry is not None and inode and entry.inode != inode:
+            entry = None  # another file on the name now
+        if entry is not None:
+            view.bad[sha1] = _Bad(entry.inode, size or entry.size, entry)
+        else:
+            view.bad[sha1] = _Bad(inode, size, None)

@@ -23,8 +23,11 @@ Invariants:
   each eviction victim stat'ed first: N replicas keep one budget. A new file's ancestors
   are never its own eviction's victims; a save that cannot fit evicts nothing.
 * Only a file proven corrupt in this build's format version is quarantined. A file of
-  another version is left alone; one that cannot be read right now (EIO, ESTALE, EMFILE)
-  is skipped and tried again at the next refresh.
+  another version is left alone; one that cannot be read right now (EIO, ESTALE, EMFILE,
+  a failed load) is known bad until a listing reads it again: never offered, never an
+  eviction victim, its parent no leaf (``Scanner.forget``).
+* Every removal of a ``.kv`` name, the quarantine's deletion in place included, is
+  counted and journaled.
 * An entry remembers its file's (inode, size, mtime): a file replaced by another process
   is re-indexed, never mistaken for corrupt, even on the inode its predecessor freed.
 * A file is quarantined only while the descriptor it was proven corrupt through is open,
@@ -158,8 +161,8 @@ class Store:
     def close(self) -> None:
         self.directory.close()
 
-    def _namespace_replaced(self, ns: str) -> None:
-        self.scanner.forget_namespace(ns)
+    def _namespace_replaced(self, ns: str, gone: bool) -> None:
+        self.scanner.forget_namespace(ns, gone=gone)
 
     # -- the parts' settings and state, as callers know them ---------------------------
     @property
@@ -425,10 +428,9 @@ class Store:
             return False
 
     def _forget_corrupt(self, ns: str, sha1: str, why: str, inode: int | None) -> None:
+        """The file stays on disk for now: known bad, listed again (``Scanner.forget``)."""
         self.scanner.rejected.append((ns, sha1, why))
-        entry = self.index.get(ns, sha1)
-        if entry is not None and (inode is None or entry.inode == inode):
-            self.index.remove(ns, sha1)
+        self.scanner.forget(ns, sha1, inode)
 
     def _quarantine(
         self,
@@ -444,27 +446,35 @@ class Store:
         wait for the directory lock; otherwise (a scan, which must not wait for it while
         holding the mutex) the lock is tried once, and a busy lock leaves the move to a
         later refresh (None)."""
-        self._forget_corrupt(ns, sha1, why, inode)
+        self.scanner.rejected.append((ns, sha1, why))
+        entry = self.index.get(ns, sha1)
+        removed = None
+        if entry is not None and (inode is None or entry.inode == inode):
+            removed = self.index.remove(ns, sha1)
         state = None if self.readonly else self.directory.namespace(ns)
         if state is None:
             return False
         try:
             with self.lock.hold(None if wait else 0.0):
-                moved = self._quarantined.move(state.fd, ns, sha1, why, inode, dev)
-                if moved:
+                done = self._quarantined.move(state.fd, ns, sha1, why, inode, dev)
+                if done is not None:  # moved or deleted in place: a removal, counted
                     self.scanner.names_changed(remove=[(ns, sha1, inode)])
         except fsdir.LockTimeout:
+            if removed is not None:
+                self.index.add(removed)  # still on disk: known bad until it is moved
+            self.scanner.forget(ns, sha1, inode)
             return None
-        if moved:
-            self.stats.quarantined += 1
-        return moved
+        if done is None:  # its name left as it is (maybe another file now): list it again
+            self.scanner.relist(ns)
+            return False
+        self.stats.quarantined += 1
+        return done == "moved"
 
     def forget(self, ns: str, sha1: str) -> None:
         """Drop a file from the index only (stale or unreadable: the next refresh may find
         it again)."""
         with self._mutex:
-            self.index.remove(ns, sha1)
-            self.scanner.not_whole()
+            self.scanner.forget(ns, sha1)
 
     def orphans(self, *, remove: bool = False) -> list[Entry]:
         """Files whose chain is broken, from the directory as it is now (a forced refresh):
