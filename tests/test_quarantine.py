@@ -5,8 +5,10 @@ import os
 
 import numpy as np
 import pytest
-from synth import make, prompt, save
+from synth import FP, encode, make, pages, planner, prompt, save
 
+from vllm_kvdisk.core.format import Reason
+from vllm_kvdisk.storage.quarantine import DIRNAME
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.storage.verify import verify
 
@@ -47,3 +49,45 @@ def test_quarantine_stays_bounded(tmp_path):
         plan, _ = save(store, ns, prompt(90 + i), 48, rng)
         store.quarantine(ns, plan.sha1, "checksum mismatch")
     assert len(store.quarantined_files()) <= 1 and store.stats.quarantined == 3
+
+
+def test_a_quarantined_files_descendants_leave_and_their_prefixes_can_be_saved(tmp_path):
+    """A corrupt root under a sound delta: the delta is unreachable once the root is
+    quarantined, and its name (the SHA1 of the very text a save of that prefix writes)
+    used to stay on disk, refusing that save as ``exists`` on every turn and after every
+    restart. The quarantine takes the file's descendants with it, says which, and the
+    prefix is saved again (as a root now); another chain is untouched."""
+    dropped = []
+    store = Store(
+        str(tmp_path / "cache"), space_bytes=1 << 30, on_drop=lambda e, why: dropped.append(e)
+    )
+    ns = store.ensure_namespace(FP)
+    p, other = prompt(1), prompt(2)
+    rng = np.random.default_rng(0)
+    root, _ = save(store, ns, p, 48, rng)
+    delta, _ = save(store, ns, p, 112, rng)
+    deeper, _ = save(store, ns, p, 176, rng)
+    kept, _ = save(store, ns, other, 48, rng)
+    assert (delta.parent, deeper.parent) == (root.sha1, delta.sha1)
+    path = store.path(ns, root.sha1)
+    fd = os.open(path, os.O_RDONLY)  # the descriptor that proved it corrupt
+    try:
+        st = os.fstat(fd)
+        assert store.quarantine(ns, root.sha1, "checksum", inode=st.st_ino, dev=st.st_dev)
+    finally:
+        os.close(fd)
+    assert [e.sha1 for e in dropped] == [delta.sha1, deeper.sha1]
+    for gone in (root, delta, deeper):
+        assert store.index.get(ns, gone.sha1) is None
+        assert not os.path.exists(store.path(ns, gone.sha1))
+    assert store.index.get(ns, kept.sha1) and os.path.exists(store.path(ns, kept.sha1))
+    assert os.listdir(os.path.join(store.root, DIRNAME)) != []
+    # Another replica following the journal forgets them too.
+    other_store = Store(store.root, space_bytes=1 << 30)
+    assert other_store.start(background=False)
+    assert {e.sha1 for e in other_store.index.entries()} == {kept.sha1}
+    # The prefix the delta held is saved again, under the same name, as a root.
+    plan = planner(store).plan_save(ns, p, 112, Reason.COLD)
+    assert (plan.sha1, plan.parent) == (delta.sha1, None)
+    store.write(ns, plan.sha1, encode(plan, p, pages(rng, plan)))
+    assert verify(Store(store.root, space_bytes=1 << 30, readonly=True)).ok

@@ -228,6 +228,20 @@ class Index:
         names = self._children.get((ns, sha1 or ""), ())
         return [self._entries[(ns, s)] for s in names if (ns, s) in self._entries]
 
+    def descendants(self, ns: str, sha1: str) -> list[Entry]:
+        """Files (not pending saves) whose chain passes through ``sha1``: its children,
+        theirs, and so on (each once, even in a hostile cycle), parents before children."""
+        out: list[Entry] = []
+        seen = {sha1}
+        todo = [sha1]
+        while todo:
+            for child in self.children(ns, todo.pop(0)):
+                if child.sha1 not in seen:
+                    seen.add(child.sha1)
+                    out.append(child)
+                    todo.append(child.sha1)
+        return out
+
     def has_child(self, ns: str, parent: str, sha1: str) -> bool:
         return sha1 in self._children.get((ns, parent), ())
 

@@ -79,12 +79,16 @@ class Store:
         clock: Callable[[], float] = time.time,
         statvfs: Callable[[int], os.statvfs_result] = os.fstatvfs,
         on_evict: Callable[[Entry], None] | None = None,
+        on_drop: Callable[[Entry, str], None] | None = None,
         readonly: bool = False,
         allow_shared_dir: bool = False,
         lock_timeout_s: float = LOCK_TIMEOUT_S,
         quarantine_max_bytes: int | None = None,
     ):
         self.clock = clock
+        # Called with (entry, why) for each file deleted because an ancestor was
+        # quarantined (``_drop_descendants``), under the lock: report and trace only.
+        self._on_drop = on_drop
         self.index = Index()
         self.stats = StoreStats()
         self.quarantine_max_bytes = (
@@ -380,11 +384,48 @@ class Store:
                 moved = self._quarantined.move(state.fd, ns, sha1, why, inode, dev)
                 if moved:
                     self.scanner.names_changed(remove=[(ns, sha1, inode)])
+                    if wait:  # (a scan's listing is under way: its index is being built)
+                        self.scanner.catch_up()
+                    self._drop_descendants(ns, sha1, state.fd)
         except fsdir.LockTimeout:
             return None
         if moved:
             self.stats.quarantined += 1
         return moved
+
+    def _drop_descendants(self, ns: str, sha1: str, dir_fd: int) -> None:
+        """Under the lock and the mutex, after ``sha1`` left the directory: every file whose
+        chain passes through it leaves the index and the disk. Nothing can load them any
+        more, and their names, kept, would refuse the saves of the very prefixes they held
+        (``exists``): the conversation would stay uncached, even after a restart. Each is
+        deleted only if its name still is the file indexed: the same inode and size (names
+        change only under this lock, and the index is caught up; the mtime moves with
+        another replica's hit)."""
+        deleted: list[Entry] = []
+        for entry in self.index.descendants(ns, sha1):
+            self.index.remove(ns, entry.sha1)
+            name = f"{entry.sha1}.kv"
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if (st.st_ino, st.st_size) != (entry.inode, entry.size):
+                    self.scanner.not_whole()  # not the file indexed: a listing reads it
+                    continue
+                os.unlink(name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("kvdisk: could not delete %s/%s: %s", ns, name, exc)
+                self.scanner.not_whole()
+                continue
+            deleted.append(entry)
+        if not deleted:
+            return
+        self.scanner.names_changed(remove=[(ns, e.sha1, e.inode) for e in deleted])
+        why = f"its chain's file {sha1} was quarantined"
+        log.warning("kvdisk: %d file(s) of %s deleted: %s", len(deleted), ns, why)
+        for entry in deleted:
+            if self._on_drop is not None:
+                self._on_drop(entry, why)
 
     def forget(self, ns: str, sha1: str) -> None:
         """Drop a file from the index only (stale or unreadable: the next refresh may find
