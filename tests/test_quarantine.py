@@ -8,6 +8,7 @@ import pytest
 from synth import FP, encode, make, pages, planner, prompt, save
 
 from vllm_kvdisk.core.format import Reason
+from vllm_kvdisk.storage.budget import SaveSkipped
 from vllm_kvdisk.storage.quarantine import DIRNAME
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.storage.verify import verify
@@ -91,3 +92,46 @@ def test_a_quarantined_files_descendants_leave_and_their_prefixes_can_be_saved(t
     assert (plan.sha1, plan.parent) == (delta.sha1, None)
     store.write(ns, plan.sha1, encode(plan, p, pages(rng, plan)))
     assert verify(Store(store.root, space_bytes=1 << 30, readonly=True)).ok
+
+
+def test_an_orphans_name_is_saved_again(tmp_path):
+    """A delta whose root left without it (deleted by hand, or quarantined by a scan that
+    indexed the delta after it): nothing can load it, and its name is the one a save of
+    its prefix writes. The save used to be refused (``exists``, or not even reserved) on
+    every turn and after every restart; now the orphan and its own descendants go and the
+    save takes the name, as a root."""
+    store, ns = make(tmp_path)
+    p = prompt(4)
+    rng = np.random.default_rng(0)
+    root, _ = save(store, ns, p, 48, rng)
+    delta, _ = save(store, ns, p, 112, rng)
+    deeper, _ = save(store, ns, p, 176, rng)
+    os.unlink(store.path(ns, root.sha1))
+    restarted = Store(store.root, space_bytes=1 << 30)
+    restarted.scan()
+    assert {e.sha1 for e in restarted.index.orphans()} == {delta.sha1, deeper.sha1}
+    plan = planner(restarted).plan_save(ns, p, 112, Reason.COLD)
+    assert (plan.sha1, plan.parent) == (delta.sha1, None)
+    assert planner(restarted).reserve(plan, p, 0)
+    restarted.write(ns, plan.sha1, encode(plan, p, pages(rng, plan)))
+    assert restarted.index.get(ns, delta.sha1).parent is None
+    assert not os.path.exists(restarted.path(ns, deeper.sha1))
+    assert verify(Store(store.root, space_bytes=1 << 30, readonly=True)).ok
+    # A sound file keeps its name: the same save again is refused.
+    with pytest.raises(SaveSkipped, match="exists"):
+        restarted.write(ns, plan.sha1, encode(plan, p, pages(rng, plan)))
+
+
+def test_a_name_whose_missing_parent_is_on_disk_is_not_taken_over(tmp_path):
+    """An entry whose parent the index lacks may have a parent on disk that cannot be read
+    right now: the name is kept, the save skipped."""
+    store, ns = make(tmp_path)
+    p = prompt(5)
+    rng = np.random.default_rng(0)
+    root, _ = save(store, ns, p, 48, rng)
+    delta, _ = save(store, ns, p, 112, rng)
+    store.index.remove(ns, root.sha1)  # unread, still on disk
+    plan = planner(store).plan_save(ns, p, 112, Reason.COLD)
+    with pytest.raises(SaveSkipped, match="exists"):
+        store.write(ns, plan.sha1, encode(plan, p, pages(rng, plan)))
+    assert os.path.exists(store.path(ns, delta.sha1))

@@ -253,8 +253,12 @@ class Index:
 
     # -- two-phase saves --------------------------------------------------------------
     def reserve(self, entry: Entry) -> bool:
-        """Mark a save in flight. False if the key is already on disk or in flight."""
-        if entry.key in self._entries or entry.key in self._pending:
+        """Mark a save in flight. False if the key is already on disk or in flight; a file
+        whose chain is broken (an orphan: nothing can load it) does not hold its name,
+        the save replaces it (the store deletes it under the lock, ``Budget``)."""
+        if entry.key in self._pending or (
+            entry.key in self._entries and self.chain(entry.ns, entry.sha1) is not None
+        ):
             return False
         entry.pending = True
         self._pending[entry.key] = entry

@@ -17,7 +17,8 @@ waiting for ``ROOT/.lock``.
 Invariants:
 * A ``.kv`` name appears only after its bytes are written and fsynced, and only while its
   parent is on disk (stat'ed under the lock), never over a file of that name (same text,
-  maybe other ids: the save is skipped).
+  maybe other ids: the save is skipped), unless that file is an orphan proven on disk
+  (deleted first, with its descendants). A quarantined file's descendants leave with it.
 * Budget and free-space decisions are made under the lock, from an index caught up with
   every process's counted changes (the journal's lines, or a listing when it cannot say),
   each eviction victim stat'ed first: N replicas keep one budget. A new file's ancestors
