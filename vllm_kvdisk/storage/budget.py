@@ -8,7 +8,8 @@
   ancestors, never the ``protect``ed keys), and the file is renamed into place. A save
   that cannot fit evicts nothing and raises :class:`SaveSkipped`; so does one whose name
   is on disk already (``exists``: one text rendered from other token ids): a file is
-  never renamed over.
+  never renamed over. An orphan (its chain's first missing parent proven absent from the
+  disk) does not hold its name: it is deleted, with its descendants, and the save lands.
 * ENOSPC while writing the temp file (the volume is fuller than the budget knows) makes
   room once and writes again.
 * Evictions decide under the same lock, from the index caught up by the journal (or a
