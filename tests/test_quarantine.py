@@ -135,3 +135,25 @@ def test_a_name_whose_missing_parent_is_on_disk_is_not_taken_over(tmp_path):
     with pytest.raises(SaveSkipped, match="exists"):
         store.write(ns, plan.sha1, encode(plan, p, pages(rng, plan)))
     assert os.path.exists(store.path(ns, delta.sha1))
+
+
+def test_verify_fix_reports_the_descendants_a_quarantine_takes(tmp_path):
+    """``kvdisk verify --fix`` on a corrupt root under a delta: the root is quarantined,
+    the delta deleted with it, and the report names both (bad, orphan), as it did when
+    the orphan pass found the delta after."""
+    store, ns = make(tmp_path)
+    p = prompt(6)
+    rng = np.random.default_rng(0)
+    root, _ = save(store, ns, p, 48, rng)
+    delta, _ = save(store, ns, p, 112, rng)
+    with open(store.path(ns, root.sha1), "r+b") as fh:
+        fh.seek(-100, os.SEEK_END)
+        byte = fh.read(1)
+        fh.seek(-100, os.SEEK_END)
+        fh.write(bytes([byte[0] ^ 0x40]))
+    report = verify(Store(store.root, space_bytes=1 << 30))
+    assert sorted((p.kind, p.sha1) for p in report.problems) == sorted(
+        [("bad", root.sha1), ("orphan", delta.sha1)]
+    )
+    assert report.fixed == 2 and not os.path.exists(store.path(ns, delta.sha1))
+    assert verify(Store(store.root, space_bytes=1 << 30)).ok

@@ -90,6 +90,7 @@ class Store:
         # Called with (entry, why) for each file deleted because an ancestor was
         # quarantined (``_drop_descendants``), under the lock: report and trace only.
         self._on_drop = on_drop
+        self.dropped: deque[tuple[str, str, str]] = deque(maxlen=4096)  # (ns, sha1, why)
         self.index = Index()
         self.stats = StoreStats()
         self.quarantine_max_bytes = (
@@ -425,6 +426,7 @@ class Store:
         why = f"its chain's file {sha1} was quarantined"
         log.warning("kvdisk: %d file(s) of %s deleted: %s", len(deleted), ns, why)
         for entry in deleted:
+            self.dropped.append((ns, entry.sha1, why))
             if self._on_drop is not None:
                 self._on_drop(entry, why)
 
