@@ -94,3 +94,44 @@ def test_other_cache_salt_is_a_miss_and_same_salt_hits(tiny_model, tmp_path):
     assert len(misses) == 2 and all(m.startswith("no checkpoint") for m in misses), misses
     for path in kv_files(kv):
         assert b"tenant" not in open(path, "rb").read()  # the salt itself is never stored
+
+
+def test_a_corrupt_root_under_a_sound_delta_is_served_from_disk_after_the_next_restart(
+    tiny_model, tmp_path
+):
+    """Two turns below the first grid point: turn 1 saves its tail (the root), turn 2 its
+    tail (a delta on it). A flipped byte in the root's last page, then a restart and turn 2
+    again: the root is quarantined and the prefix recomputed. The delta, orphaned, used to
+    stay on disk under the very name a save of turn 2's prefix writes, so nothing was saved
+    (``exists``), no trace line said why, and every later restart missed. Now the delta
+    goes with its root (a ``dropped`` line), the prefix is saved again, and the next
+    restart restores it from disk."""
+    kv, trace = str(tmp_path / "kv"), str(tmp_path / "trace.txt")
+    grid = {"kv_cache_boundary_align_tokens": 4096}  # both turns below the first grid point
+    turn1 = random_prompt(300, seed=11)
+    turn2 = turn1 + random_prompt(300, seed=12)
+    with engine(tiny_model, kv, trace=trace, **grid) as llm:
+        generate(llm, turn1)
+        reference, _ = generate(llm, turn2)
+    listing = Store(kv, space_bytes=1 << 40, readonly=True)
+    listing.scan()
+    entries = list(listing.index.entries())
+    (root,) = [e for e in entries if e.parent is None]
+    (delta,) = [e for e in entries if e.parent == root.sha1]
+    assert (root.tokens, delta.tokens) == (256, 512) and len(entries) == 2
+    path = [p for p in kv_files(kv) if os.path.basename(p) == f"{root.sha1}.kv"][0]
+    raw = bytearray(open(path, "rb").read())
+    raw[-100] ^= 0x10  # the root's last page: only the checksum sees it
+    open(path, "wb").write(bytes(raw))
+    with engine(tiny_model, kv, trace=trace, **grid) as llm:
+        tokens, _ = generate(llm, turn2)
+        assert tokens == reference
+    with engine(tiny_model, kv, trace=trace, **grid) as llm:
+        tokens, cached = generate(llm, turn2)
+    assert tokens == reference and cached == 512
+    assert [e.sha1 for e in events(trace, "quarantined")] == [root.sha1]
+    (dropped,) = events(trace, "dropped")
+    assert dropped.sha1 == delta.sha1 and root.sha1 in dropped.detail
+    saved = [e for e in events(trace, "saved") if e.sha1 == delta.sha1]
+    assert len(saved) == 2  # turn 2's prefix, saved again under its name (a root now)
+    assert verify(Store(kv, space_bytes=1 << 40, readonly=True)).ok

@@ -21,6 +21,7 @@ def test_every_event_parses_back(tmp_path):
     t.save_failed("cold", SHA, "only 0 are evictable", "no_space")
     t.evicted(SHA, 640, 2629632)
     t.quarantined(SHA, "checksum mismatch in layer 1")
+    t.dropped(SHA, 512, 4096, "its chain's file " + SHA + " was quarantined")
     t.load_failed(SHA, "checksum mismatch in layer 1", 5)
     t.replay("1 from memory, 0 from disk, 0 missing, 0 changed")
     t.close()
@@ -37,6 +38,7 @@ def test_every_event_parses_back(tmp_path):
         "save_skipped",
         "evicted",
         "quarantined",
+        "dropped",
         "load_failed",
         "replay",
     ]
@@ -52,6 +54,9 @@ def test_every_event_parses_back(tmp_path):
         42,
     )
     assert events[8].reason == "no_space" and events[9].bytes == 2629632
+    dropped = events[11]
+    assert (dropped.sha1, dropped.tokens, dropped.bytes) == (SHA, 512, 4096)
+    assert dropped.detail == f"its chain's file {SHA} was quarantined"
     assert parse("unrelated line") is None
 
 

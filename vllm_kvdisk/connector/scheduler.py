@@ -90,13 +90,15 @@ class SchedulerSide:
             cold_before_last_token=bool(self.windows) or self.states.active,
         )
         self.stats = StatsRecorder()
-        self.store = Store.from_config(config)
+        self.trace = Trace.from_config(config)
+        self.store = Store.from_config(
+            config, on_drop=lambda e, why: self.trace.dropped(e.sha1, e.tokens, e.size, why)
+        )
         started = time.monotonic()
         self.store.start()
         self.planner = Planner(
             self.store.index, block_size, self.store.read_ids, config.kv_cache_min_tokens
         )
-        self.trace = Trace.from_config(config)
         self.diagnostics = Diagnostics()
         self.report = LookupReport(self.store, table, self.stats, self.trace, self.diagnostics)
         self.cost = LoadCostModel()

@@ -78,7 +78,7 @@ class WorkerSide:
         self.namespaces = Namespaces(fingerprint)
         self.block_size = block_size
         self.trace = Trace.from_config(config)
-        self.store = Store.from_config(config, on_evict=self._on_evict)
+        self.store = Store.from_config(config, on_evict=self._on_evict, on_drop=self._on_drop)
         # Loads never wait behind a save's write or fsync: each has its own threads. One
         # copy thread takes page copies off the engine step, in order. Their CPUs: threads.
         self._cpus = CpuPlan()  # known once vLLM bound this process (register_kv_caches)
@@ -158,6 +158,11 @@ class WorkerSide:
             self.mover.page_bytes,
             len(self.store.index),
         )
+
+    def _on_drop(self, entry: Entry, why: str) -> None:
+        with self._lock:
+            self._report.removed.append((entry.ns, entry.sha1))
+        self.trace.dropped(entry.sha1, entry.tokens, entry.size, why)
 
     def _fp(self, scope: Scope) -> Fingerprint:
         return self.namespaces.fingerprint(scope.lora, scope.salt_digest)

@@ -34,6 +34,9 @@ MAGIC = b"KVC"
 PAYLOAD_MAGIC = b"KVDP"
 PAYLOAD_VERSION = 2  # files without a state group
 PAYLOAD_VERSION_STATE = 3  # files with one (a reader of version 2 leaves them alone)
+# Every payload version ``encode`` writes: every reader (a file's summary for the index, its
+# full parse for a load or ``kvdisk verify``) accepts each of them, from this one tuple.
+PAYLOAD_VERSIONS = (PAYLOAD_VERSION, PAYLOAD_VERSION_STATE)
 PAGE_ALIGN = 4096
 
 MAX_TOKENS = 1 << 24
@@ -383,7 +386,7 @@ def unpack_payload_fixed(buf: bytes, header: Header) -> Payload:
     shape_all, name, digest, ktm_sum = rest[:6], rest[6], rest[7], rest[8]
     if magic != PAYLOAD_MAGIC:
         raise FormatError(f"bad payload magic {magic!r}")
-    if version not in (PAYLOAD_VERSION, PAYLOAD_VERSION_STATE) or fixed_len != PAYLOAD_FIXED.size:
+    if version not in PAYLOAD_VERSIONS or fixed_len != PAYLOAD_FIXED.size:
         raise UnsupportedFile(f"payload version {version}/{fixed_len}")
     if not 1 <= n_groups <= MAX_GROUPS:
         raise FormatError(f"group count {n_groups} outside 1..{MAX_GROUPS}")

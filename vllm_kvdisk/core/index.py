@@ -228,6 +228,20 @@ class Index:
         names = self._children.get((ns, sha1 or ""), ())
         return [self._entries[(ns, s)] for s in names if (ns, s) in self._entries]
 
+    def descendants(self, ns: str, sha1: str) -> list[Entry]:
+        """Files (not pending saves) whose chain passes through ``sha1``: its children,
+        theirs, and so on (each once, even in a hostile cycle), parents before children."""
+        out: list[Entry] = []
+        seen = {sha1}
+        todo = [sha1]
+        while todo:
+            for child in self.children(ns, todo.pop(0)):
+                if child.sha1 not in seen:
+                    seen.add(child.sha1)
+                    out.append(child)
+                    todo.append(child.sha1)
+        return out
+
     def has_child(self, ns: str, parent: str, sha1: str) -> bool:
         return sha1 in self._children.get((ns, parent), ())
 
@@ -239,8 +253,12 @@ class Index:
 
     # -- two-phase saves --------------------------------------------------------------
     def reserve(self, entry: Entry) -> bool:
-        """Mark a save in flight. False if the key is already on disk or in flight."""
-        if entry.key in self._entries or entry.key in self._pending:
+        """Mark a save in flight. False if the key is already on disk or in flight; a file
+        whose chain is broken (an orphan: nothing can load it) does not hold its name,
+        the save replaces it (the store deletes it under the lock, ``Budget``)."""
+        if entry.key in self._pending or (
+            entry.key in self._entries and self.chain(entry.ns, entry.sha1) is not None
+        ):
             return False
         entry.pending = True
         self._pending[entry.key] = entry

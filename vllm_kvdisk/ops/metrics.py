@@ -16,9 +16,26 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from vllm_kvdisk.core.format import Reason
+from vllm_kvdisk.core.index import Miss
 from vllm_kvdisk.ops import recorder
 from vllm_kvdisk.ops.metricdefs import HOOKS, LATENCY_BUCKETS, METRICS
 from vllm_kvdisk.storage.budget import SKIP_REASONS
+
+# Lookup outcomes without a reason; a miss carries its ``Miss`` label as the reason.
+LOOKUP_RESULTS = ("hit", "device_hit", "load_failed")
+
+
+def known_labels() -> dict[str, list[tuple[str, ...]]]:
+    """Every label set each labelled series can be counted under (its extra labels),
+    exported at 0 from the start: Prometheus' convention, so a panel or ``rate()`` over a
+    short window after a restart shows 0 rather than "No data"."""
+    return {
+        "lookups": [(r, "") for r in LOOKUP_RESULTS] + [("miss", m.label) for m in Miss],
+        "saves": [(r.name.lower(),) for r in Reason],
+        "saves_skipped": [(r,) for r in SKIP_REASONS],
+        "errors": [(h,) for h in HOOKS],
+    }
 
 
 @dataclass
@@ -75,15 +92,13 @@ class KVDiskPromMetrics(KVConnectorPromMetrics):
                 labelnames=list(labelnames) + list(extra),
                 **kw,
             )
-        # Export every series from the start (at 0): alerts and rate() need them to exist.
+        # Export every series from the start (at 0), each labelled one under every label
+        # set it can be counted under: alerts and rate() need them to exist.
+        known = known_labels()
         for labels in per_engine_labelvalues.values():
             for name, _kind, extra, _doc, _field in METRICS:
-                if not extra:
-                    self._m[name].labels(*labels)
-            for reason in SKIP_REASONS:
-                self._m["saves_skipped"].labels(*labels, reason)
-            for hook in HOOKS:
-                self._m["errors"].labels(*labels, hook)
+                for values in known[name] if extra else [()]:
+                    self._m[name].labels(*labels, *values)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         d, m = transfer_stats_data, self._m

@@ -38,7 +38,7 @@ CHECK_EVERY_S = 1.0
 @dataclass(frozen=True, slots=True)
 class TraceEvent:
     """One parsed trace line. ``kind``: miss, hit, loaded, device_hit, probe, saved,
-    save_failed, save_skipped, evicted, quarantined, load_failed, replay."""
+    save_failed, save_skipped, evicted, quarantined, dropped, load_failed, replay."""
 
     kind: str
     sha1: str = ""
@@ -88,6 +88,12 @@ _PATTERNS: list[tuple[str, re.Pattern[str]]] = [
     ("save_failed", re.compile(rf"^save failed reason=(?P<reason>\w+) {_SHA}: (?P<detail>.*)$")),
     ("evicted", re.compile(rf"^evicted {_SHA} tokens=(?P<tokens>\d+) bytes=(?P<bytes>\d+)$")),
     ("quarantined", re.compile(rf"^quarantined {_SHA} \((?P<detail>.*)\)$")),
+    (
+        "dropped",
+        re.compile(
+            rf"^dropped {_SHA} tokens=(?P<tokens>\d+) bytes=(?P<bytes>\d+) \((?P<detail>.*)\)$"
+        ),
+    ),
     ("replay", re.compile(r"^tool replay: (?P<detail>.*)$")),
 ]
 
@@ -252,6 +258,10 @@ class Trace:
 
     def quarantined(self, sha1: str, detail: str) -> None:
         self.line(f"quarantined sha1={sha1} ({detail})")
+
+    def dropped(self, sha1: str, tokens: int, nbytes: int, detail: str) -> None:
+        """A file deleted because its chain broke (an ancestor was quarantined)."""
+        self.line(f"dropped sha1={sha1} tokens={tokens} bytes={nbytes} ({detail})")
 
     def load_failed(self, sha1: str, detail: str, blocks: int) -> None:
         self.line(

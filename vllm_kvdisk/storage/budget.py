@@ -8,7 +8,8 @@
   ancestors, never the ``protect``ed keys), and the file is renamed into place. A save
   that cannot fit evicts nothing and raises :class:`SaveSkipped`; so does one whose name
   is on disk already (``exists``: one text rendered from other token ids): a file is
-  never renamed over.
+  never renamed over. An orphan (its chain's first missing parent proven absent from the
+  disk) does not hold its name: it is deleted, with its descendants, and the save lands.
 * ENOSPC while writing the temp file (the volume is fuller than the budget knows) makes
   room once and writes again.
 * Evictions decide under the same lock, from the index caught up by the journal (or a
@@ -48,6 +49,8 @@ SKIP_REASONS = (
     "busy",
     "exists",
     "namespace_cap",
+    "write_budget",  # decided by the scheduler (core/writebudget.py)
+    "admission",
 )
 
 
@@ -105,7 +108,9 @@ class Budget:
             if state is None:
                 raise OSError(errno.ENOENT, f"cannot create namespace {ns}")
             dir_fd = os.dup(state.fd)  # ours until the end, whatever happens to the cache
-        if _on_disk(dir_fd, f"{sha1}.kv"):  # checked again under the lock; spares the write
+        with self._mutex:  # an orphan's name is taken over (checked under the lock)
+            orphan = (ns, sha1) in self.index and self.index.chain(ns, sha1) is None
+        if not orphan and _on_disk(dir_fd, f"{sha1}.kv"):  # checked again under the lock
             os.close(dir_fd)
             self.stats.skipped_saves += 1
             raise SaveSkipped("exists", f"{sha1}.kv is on disk already")
@@ -165,8 +170,14 @@ class Budget:
             # One rendered text can come from other token ids (a sampled tokenization and
             # the canonical one): same name, other content. Renaming over it would leave
             # its children under a parent of other ids (orphans), or close a parent cycle
-            # nothing can evict. Names change only under this lock, so the file stays.
-            raise SaveSkipped("exists", f"{tmp.final} is on disk already")
+            # nothing can evict. Names change only under this lock, so the file stays;
+            # unless it is an orphan, which nothing can load: it goes, with its own
+            # descendants, and the save takes its name (a corrupt ancestor quarantined
+            # after it was indexed must not keep its prefix uncached for good).
+            orphaned = self._orphaned(tmp.dir_fd, ns, entry.sha1)
+            if orphaned is None or not self.scanner.verify_victims(orphaned):
+                raise SaveSkipped("exists", f"{tmp.final} is on disk already")
+            self._delete(orphaned)
         incoming = entry.size if tmp is None else 0  # a written temp file already takes room
         need = self._shortfall(entry.size, incoming)
         if need > 0:
@@ -197,6 +208,27 @@ class Budget:
                 self.stats.written += 1
                 self.stats.bytes_written += entry.size
             self.scanner.names_changed(add=[entry] if tmp.committed else [], counted=counted)
+
+    def _orphaned(self, dir_fd: int, ns: str, sha1: str) -> list[Entry] | None:
+        """Under the lock, the index caught up: the file ``sha1`` and its descendants if it
+        is an orphan, proven on disk (its entry is the file under that name, and the first
+        missing parent of its chain is not on disk either); None otherwise."""
+        entry = self.index.get(ns, sha1)
+        if entry is None or self.index.chain(ns, sha1) is not None:
+            return None
+        if not self._still_there(entry):
+            return None
+        link = entry
+        while link.parent is not None:
+            above = self.index.get(ns, link.parent)
+            if above is None:  # a name the index lacks may be a file it cannot read now
+                if _on_disk(dir_fd, f"{link.parent}.kv"):
+                    return None
+                break
+            if not above.parent_tokens < link.parent_tokens <= above.tokens:
+                break  # an inconsistent link: hostile files
+            link = above
+        return [entry, *self.index.descendants(ns, sha1)]
 
     def _still_there(self, entry: Entry) -> bool:
         """Whether ``entry``'s file is on disk, asked of the directory (one stat): a

@@ -34,7 +34,7 @@ from vllm_kvdisk.core.format import (
     PAGE_ALIGN,
     PAYLOAD_FIXED,
     PAYLOAD_MAGIC,
-    PAYLOAD_VERSION,
+    PAYLOAD_VERSIONS,
     TEXT_LEN,
     FormatError,
     Header,
@@ -125,7 +125,7 @@ def read_summary(fd: int, file_size: int) -> Summary:
     )
     if magic != PAYLOAD_MAGIC:
         raise FormatError(f"bad payload magic {magic!r}")
-    if version != PAYLOAD_VERSION or fixed_len != PAYLOAD_FIXED.size:
+    if version not in PAYLOAD_VERSIONS or fixed_len != PAYLOAD_FIXED.size:
         raise UnsupportedFile(f"payload version {version}/{fixed_len}")
     (layers,) = _U32.unpack_from(buf, payload_at - base + _LAYERS_AT)
     (groups,) = _U16.unpack_from(buf, payload_at - base + GROUP_COUNT_AT)

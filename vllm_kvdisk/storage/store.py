@@ -17,7 +17,8 @@ waiting for ``ROOT/.lock``.
 Invariants:
 * A ``.kv`` name appears only after its bytes are written and fsynced, and only while its
   parent is on disk (stat'ed under the lock), never over a file of that name (same text,
-  maybe other ids: the save is skipped).
+  maybe other ids: the save is skipped), unless that file is an orphan proven on disk
+  (deleted first, with its descendants). A quarantined file's descendants leave with it.
 * Budget and free-space decisions are made under the lock, from an index caught up with
   every process's counted changes (the journal's lines, or a listing when it cannot say),
   each eviction victim stat'ed first: N replicas keep one budget. A new file's ancestors
@@ -83,6 +84,7 @@ class Store:
         clock: Callable[[], float] = time.time,
         statvfs: Callable[[int], os.statvfs_result] = os.fstatvfs,
         on_evict: Callable[[Entry], None] | None = None,
+        on_drop: Callable[[Entry, str], None] | None = None,
         readonly: bool = False,
         allow_shared_dir: bool = False,
         lock_timeout_s: float = LOCK_TIMEOUT_S,
@@ -91,6 +93,10 @@ class Store:
         namespace_share_pct: int = 0,
     ):
         self.clock = clock
+        # Called with (entry, why) for each file deleted because an ancestor was
+        # quarantined (``_drop_descendants``), under the lock: report and trace only.
+        self._on_drop = on_drop
+        self.dropped: deque[tuple[str, str, str]] = deque(maxlen=4096)  # (ns, sha1, why)
         self.index = Index()
         self.stats = StoreStats()
         self.quarantine_max_bytes = (
@@ -459,6 +465,9 @@ class Store:
                 done = self._quarantined.move(state.fd, ns, sha1, why, inode, dev)
                 if done is not None:  # moved or deleted in place: a removal, counted
                     self.scanner.names_changed(remove=[(ns, sha1, inode)])
+                    if wait:  # (a scan's listing is under way: its index is being built)
+                        self.scanner.catch_up()
+                    self._drop_descendants(ns, sha1, state.fd)
         except fsdir.LockTimeout:
             if removed is not None:
                 self.index.add(removed)  # still on disk: known bad until it is moved
@@ -469,6 +478,41 @@ class Store:
             return False
         self.stats.quarantined += 1
         return done == "moved"
+
+    def _drop_descendants(self, ns: str, sha1: str, dir_fd: int) -> None:
+        """Under the lock and the mutex, after ``sha1`` left the directory: every file whose
+        chain passes through it leaves the index and the disk. Nothing can load them any
+        more, and their names, kept, would refuse the saves of the very prefixes they held
+        (``exists``): the conversation would stay uncached, even after a restart. Each is
+        deleted only if its name still is the file indexed: the same inode and size (names
+        change only under this lock, and the index is caught up; the mtime moves with
+        another replica's hit)."""
+        deleted: list[Entry] = []
+        for entry in self.index.descendants(ns, sha1):
+            self.index.remove(ns, entry.sha1)
+            name = f"{entry.sha1}.kv"
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if (st.st_ino, st.st_size) != (entry.inode, entry.size):
+                    self.scanner.relist(ns)  # not the file indexed: a listing reads it
+                    continue
+                os.unlink(name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("kvdisk: could not delete %s/%s: %s", ns, name, exc)
+                self.scanner.relist(ns)
+                continue
+            deleted.append(entry)
+        if not deleted:
+            return
+        self.scanner.names_changed(remove=[(ns, e.sha1, e.inode) for e in deleted])
+        why = f"its chain's file {sha1} was quarantined"
+        log.warning("kvdisk: %d file(s) of %s deleted: %s", len(deleted), ns, why)
+        for entry in deleted:
+            self.dropped.append((ns, entry.sha1, why))
+            if self._on_drop is not None:
+                self._on_drop(entry, why)
 
     def forget(self, ns: str, sha1: str) -> None:
         """Drop a file from the index only (stale or unreadable: the next refresh may find

@@ -5,8 +5,9 @@ SHA1 of their text (misnamed), chains whose parent is missing or inconsistent (o
 and temp files whose writer is gone; a file deleted since the scan (another replica's
 eviction) is no problem. Orphans are judged after the checksum pass, from a fresh listing
 (under the lock when fixing). With ``fix`` the bad and misnamed files go to the
-quarantine, orphans are deleted (nothing can ever load them) and abandoned temp files
-removed; a live writer's temp file is reported, never touched. Files of another format
+quarantine (their descendants, orphans now, are deleted with them and reported so),
+orphans are deleted (nothing can ever load them) and abandoned temp files removed; a
+live writer's temp file is reported, never touched. Files of another format
 version are listed, never changed. Memory stays bounded whatever a file claims (a
 consistent header over a huge sparse file is read in chunks), and the chain check costs
 one look per file, not one per file and ancestor. Pure of vLLM and torch.
@@ -107,6 +108,7 @@ def verify(
         report.problems.append(Problem(ns, sha1, kind, why, "quarantined" if moved else ""))
     entries = list(store.index.entries())
     total = len(entries)
+    store.dropped.clear()  # descendants a quarantine below takes with it
     if progress is not None:
         progress(0, total)
 
@@ -133,6 +135,8 @@ def verify(
             report.problems.append(
                 Problem(entry.ns, entry.sha1, kind, why, "quarantined" if moved else "")
             )
+    for ns, sha1, why in list(store.dropped):  # orphans of a quarantined file: deleted
+        report.problems.append(Problem(ns, sha1, "orphan", f"deleted: {why}", "deleted"))
     # Judged from the directory as it is after the long pass (a parent may have been saved
     # again meanwhile), and deleted in the same hold of the lock. Deleting an orphan can
     # orphan nothing new: its children are orphans already.
