@@ -378,19 +378,21 @@ class SchedulerSide:
             st = self._reqs.get(req_id)
             if st is not None:
                 st.copies_out -= 1
-        for req_id in output.finished_recving or ():
-            st = self._reqs.get(req_id)
-            if st is not None:
-                st.load_finished()
-        report = output.kv_connector_worker_meta
-        if not isinstance(report, WorkerReport):
-            return
         # Failed loads come in our report, not vLLM's ``failed_recving``: that one makes
         # vLLM recompute the whole request, the invalid block ids only what was lost.
-        for req_id in report.failed_loads:  # vLLM re-queues it to recompute: no new load
+        # vLLM forwards each rank's report in the step it comes but a request's
+        # finished_recving only once every rank sent it: a failure is recorded first and
+        # applied by the finished_recving vLLM delivers (this step's or a later one).
+        for req_id in report.failed_loads if isinstance(report, WorkerReport) else ():
             st = self._reqs.get(req_id)
             if st is not None:
                 st.load_failed()
+        for req_id in output.finished_recving or ():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.load_finished()  # vLLM re-queues a failed one to recompute: no new load
+        if not isinstance(report, WorkerReport):
+            return
         index = self.store.index
         for entry in report.written:
             index.add(entry)

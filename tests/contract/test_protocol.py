@@ -1,0 +1,72 @@
+"""kvdisk's save/load protocol against a real vLLM scheduler (``vllm_api``), stepped with
+synthesised TP ranks whose outputs vLLM's own ``KVOutputAggregator`` combines (``driver``).
+The driver raises if a page copy or a load touches a block vLLM has freed; vLLM's scheduler
+raises (AssertionError) if the connector breaks its side of the protocol."""
+
+from __future__ import annotations
+
+import vllm_api as api
+from driver import seed_checkpoint
+
+from vllm_kvdisk.core.lifecycle import Phase
+
+PROMPT = list(range(100, 300))  # 200 tokens; a checkpoint of its first 160 is seeded
+OTHER = PROMPT[:150] + list(range(1000, 1100))  # shares 150 tokens: a hit of 144
+
+
+def rank0_fails_rank1_slow(job, rank):
+    """Rank 0 ends the load at once with its last block bad; rank 1 takes 6 steps."""
+    return (1, job.block_ids[-1:]) if rank == 0 else (6, [])
+
+
+def loading_with_rank0_failed(make_engine):
+    """TP = 2: a request whose load failed on rank 0 while rank 1 still loads, and whose
+    checkpoint was removed meanwhile (``reset_cache``: the operator's reset), so its
+    computed prefix is not on disk any more: a save of it would be planned if allowed."""
+    e = make_engine(2, loads=rank0_fails_rank1_slow)
+    seed_checkpoint(e, PROMPT, 160)
+    r = api.make_request(OTHER, max_tokens=4)
+    e.add(r)
+    e.step()  # admitted with a hit of 144: the load job goes to both ranks
+    e.step()  # rank 0 reports its failure (vLLM truncates the request to 128 tokens)
+    assert api.is_loading(e.s, r.request_id) and r.num_computed_tokens == 128
+    e.kvdisk.reset_cache()
+    return e, r
+
+
+def test_tp2_a_ranks_failed_load_then_an_abort_frees_nothing_a_rank_still_loads(make_engine):
+    """The request stayed in vLLM's WAITING_FOR_REMOTE_KVS, but kvdisk had moved it to
+    FAILED on rank 0's report: the abort planned an evict save over blocks rank 1 was
+    still writing and held them, the copy's finished_sending freed the request, and rank
+    1's finished_recving then tripped vLLM's ``assert req_id in self.requests``."""
+    e, r = loading_with_rank0_failed(make_engine)
+    e.abort(r.request_id)
+    assert e.finished[r.request_id] is False  # released by its finished_recving only
+    assert not [j for j in e.saves + e.kvdisk.saves.jobs if j.req_id == r.request_id]
+    e.drain()  # rank 1 finishes its load; vLLM frees the blocks then
+    assert not e.s.requests and api.all_blocks_free(e.s)
+    assert not e.kvdisk.store.index.has_pending() and not e.kvdisk.has_pending_push_work()
+
+
+def test_tp2_a_shutdown_while_a_rank_still_loads_copies_none_of_its_blocks(make_engine):
+    e, r = loading_with_rank0_failed(make_engine)
+    e.shutdown_signal()
+    e.step()  # the shutdown saves are planned in this step
+    assert not [j for j in e.saves if j.req_id == r.request_id]
+    e.run(lambda: not any(r.request_id in rank.loads for rank in e.ranks))
+    # The failure is applied with the finished_recving vLLM delivered: never loads again.
+    st = e.kvdisk._reqs[r.request_id]
+    assert st.phase is Phase.FAILED and not st.may_load and st.may_save
+    e.drain()
+    assert api.all_blocks_free(e.s)
+
+
+def test_tp2_the_failure_reaches_the_request_only_with_vllms_finished_recving(make_engine):
+    e, r = loading_with_rank0_failed(make_engine)
+    st = e.kvdisk._reqs[r.request_id]
+    while any(r.request_id in rank.loads for rank in e.ranks):
+        assert st.phase is Phase.LOADING and not st.may_save and not st.computing
+        e.step()
+    assert st.phase is Phase.FAILED
+    e.drain()
+    assert api.all_blocks_free(e.s)

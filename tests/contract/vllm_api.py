@@ -1,0 +1,205 @@
+"""The vLLM-version-specific half of the contract tests: how a real vLLM ``Scheduler``
+with kvdisk as its connector is built, and how model-runner outputs are synthesised (the
+way vLLM's own connector unit tests do). Everything the tests ask of vLLM goes through
+here, so the same tests run against another vLLM once this module knows its API.
+
+vLLM 0.32 (the CPU build this project runs on): ``Scheduler`` / ``AsyncScheduler`` from
+``vllm.v1.core.sched``; ``ModelRunnerOutput`` takes ``req_id_to_index``. vLLM 0.34 drops
+that field; its ``Scheduler`` is built on a config that needs an explicit
+``DeviceConfig("cpu")`` (the platform is not inferred without a vLLM build for it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from vllm_kvdisk.plugin import register
+
+EOS = 2  # the tiny model's end-of-sequence id
+_hash_ready = False
+
+
+def make_scheduler(
+    model: str,
+    kv_dir: str,
+    *,
+    block_size: int = 16,
+    num_blocks: int = 400,
+    tp: int = 1,
+    async_scheduling: bool = False,
+    max_num_batched_tokens: int = 2048,
+    **kvdisk: Any,
+) -> Scheduler:
+    """A real vLLM scheduler with kvdisk (config keys ``kvdisk``) as its connector, for a
+    model of ``tp`` ranks (the tiny model: 4 layers, 2 KV heads of 64)."""
+    register()
+    model_config = ModelConfig(model=model, dtype="float32", seed=0, max_model_len=8192)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=16,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=8192,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        async_scheduling=async_scheduling,
+    )
+    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    transfer = KVTransferConfig(
+        kv_connector="kvdisk",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"kv_disk_dir": kv_dir, "kv_disk_min_free_mb": 0, **kvdisk},
+    )
+    config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+        kv_transfer_config=transfer,
+        device_config=DeviceConfig("cpu"),
+    )
+    heads = max(1, 2 // tp)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                [f"model.layers.{i}.self_attn.attn" for i in range(4)],
+                FullAttentionSpec(
+                    block_size=block_size, num_kv_heads=heads, head_size=64, dtype=torch.float32
+                ),
+            )
+        ],
+    )
+    config.cache_config.num_gpu_blocks = num_blocks
+    cls = AsyncScheduler if async_scheduling else Scheduler
+    return cls(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=block_size,
+    )
+
+
+_ids = itertools.count(1)
+
+
+def make_request(
+    prompt: list[int],
+    *,
+    max_tokens: int = 8,
+    block_size: int = 16,
+    kv_transfer_params: dict | None = None,
+    req_id: str | None = None,
+) -> Request:
+    global _hash_ready
+    if not _hash_ready:
+        init_none_hash(sha256)
+        _hash_ready = True
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params.update_from_generation_config({}, EOS)
+    request = Request(
+        request_id=req_id or f"r{next(_ids)}",
+        prompt_token_ids=list(prompt),
+        sampling_params=params,
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+    )
+    request.kv_transfer_params = kv_transfer_params
+    return request
+
+
+def kv_output(
+    *,
+    sending: set[str] | None = None,
+    recving: set[str] | None = None,
+    invalid: set[int] | None = None,
+    failed_recving: set[str] | None = None,
+    meta: Any = None,
+) -> KVConnectorOutput:
+    return KVConnectorOutput(
+        finished_sending=sending or None,
+        finished_recving=recving or None,
+        invalid_block_ids=set(invalid or ()),
+        failed_recving=set(failed_recving or ()),
+        kv_connector_worker_meta=meta,
+    )
+
+
+def runner_output(
+    scheduler_output: Any, kv: KVConnectorOutput | None, token: int = 7
+) -> ModelRunnerOutput:
+    """One rank's output of a step: one sampled token per request the step computed."""
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[[token] for _ in req_ids],
+        kv_connector_output=kv,
+    )
+
+
+def empty_output() -> ModelRunnerOutput:
+    return ModelRunnerOutput(req_ids=[], req_id_to_index={})
+
+
+def aggregator(tp: int) -> KVOutputAggregator:
+    """vLLM's own aggregation of the ranks' outputs (what its executors run)."""
+    return KVOutputAggregator(expected_finished_count=tp)
+
+
+def copy_output(output: ModelRunnerOutput) -> ModelRunnerOutput:
+    return dataclasses.replace(output)
+
+
+def owned_blocks(scheduler: Scheduler, req_id: str) -> set[int]:
+    """The engine blocks vLLM still holds for a request (none once it freed them)."""
+    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    return {b.block_id for b in manager.req_to_blocks.get(req_id, ())}
+
+
+def block_table(scheduler: Scheduler, req_id: str) -> list[int]:
+    return list(scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+
+
+def is_loading(scheduler: Scheduler, req_id: str) -> bool:
+    request = scheduler.requests.get(req_id)
+    return request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+def abort(scheduler: Scheduler, req_id: str) -> None:
+    scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
+
+def kvdisk(scheduler: Scheduler) -> Any:
+    """kvdisk's scheduler half inside vLLM's scheduler."""
+    return scheduler.connector._sched
+
+
+def all_blocks_free(scheduler: Scheduler) -> bool:
+    """Every block back in vLLM's pool (the null block aside): nothing leaked or held."""
+    pool = scheduler.kv_cache_manager.block_pool
+    return pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
