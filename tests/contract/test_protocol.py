@@ -8,6 +8,7 @@ from __future__ import annotations
 import vllm_api as api
 from driver import seed_checkpoint
 
+from vllm_kvdisk.core.format import Reason
 from vllm_kvdisk.core.lifecycle import Phase
 
 PROMPT = list(range(100, 300))  # 200 tokens; a checkpoint of its first 160 is seeded
@@ -69,4 +70,30 @@ def test_tp2_the_failure_reaches_the_request_only_with_vllms_finished_recving(ma
         e.step()
     assert st.phase is Phase.FAILED
     e.drain()
+    assert api.all_blocks_free(e.s)
+
+
+def test_a_finish_whose_save_planning_fails_leaves_no_job_over_the_freed_blocks(
+    make_engine, monkeypatch
+):
+    """Injected fault: planning the second evict position raises. The guard answered
+    (False, None) and vLLM freed the blocks, but the first position's job stayed queued:
+    the next step copied pages another request was given (a checkpoint of another
+    request's KV with valid checksums)."""
+    e = make_engine()
+    r = api.make_request(PROMPT[:100], max_tokens=60)  # finishes with 159 tokens computed
+    e.add(r)
+    plan_save = e.kvdisk.planner.plan_save
+
+    def flaky(ns, prompt, length, reason, spine=None):
+        if reason is Reason.EVICT and length == 144:  # the evict tail; 128 was planned
+            raise OSError("injected")
+        return plan_save(ns, prompt, length, reason, spine)
+
+    monkeypatch.setattr(e.kvdisk.planner, "plan_save", flaky)
+    e.run(lambda: r.request_id in e.finished)
+    assert e.finished[r.request_id] is False
+    assert not [j for j in e.kvdisk.saves.jobs if j.req_id == r.request_id]
+    assert not e.kvdisk.store.index.has_pending()  # the reservation at 128 given back
+    e.drain()  # no copy of the freed blocks
     assert api.all_blocks_free(e.s)

@@ -348,18 +348,29 @@ class SchedulerSide:
         return self._finished(request, [list(ids) for ids in block_ids])
 
     def _finished(self, request: Any, group_ids: list[list[int]]) -> tuple[bool, dict | None]:
-        st = self._reqs.pop(request.request_id, None)
+        """Plan a finished request's saves and say whether vLLM must keep its blocks.
+        Nothing below the planning can raise: whatever this answers, every job of the
+        request still queued is covered by it (vLLM frees the blocks at once on False)."""
+        req_id = request.request_id
+        st = self._reqs.pop(req_id, None)
         if st is None or not st.may_save:
             # A request aborted mid-load is released by its finished_recving, never here.
-            self.states.finished(request.request_id, saving=False)
+            self.states.finished(req_id, saving=False)
             return False, None
-        tables = min((len(ids) for ids in group_ids), default=0)
-        computed = min(request.num_computed_tokens, tables * self.block_size)
         planned = False
         try:
+            tables = min((len(ids) for ids in group_ids), default=0)
+            computed = min(request.num_computed_tokens, tables * self.block_size)
             planned = self._plan(st, self.rules.on_finished(computed), group_ids)
-        finally:  # a state pin outlives the request only for a save copied later
-            self.states.finished(request.request_id, saving=planned and st.holds_blocks)
+        except Exception:  # noqa: BLE001 - served without its saves, and without their jobs
+            self.saves.drop(st)
+            self.stats.count("errors", "request_finished")
+            log.exception("kvdisk: planning the saves of finished %s failed", req_id)
+        try:  # a state pin outlives the request only for a save copied later
+            self.states.finished(req_id, saving=planned and st.holds_blocks)
+        except Exception:  # noqa: BLE001 - a pin kept costs capacity, never correctness
+            self.stats.count("errors", "request_finished")
+            log.exception("kvdisk: releasing the state pin of %s failed", req_id)
         if not st.holds_blocks:
             return False, None
         # Some copy of its pages may still run (copies run after the step that planned
