@@ -173,15 +173,13 @@ class Engine:
         """Step until vLLM holds no request and no rank has work left."""
 
         def idle() -> bool:
-            return not (
-                self.s.requests
-                or self.queue
-                or any(r.loads or r.copies or r.held for r in self.ranks)
-            )
+            if self.s.requests or any(r.loads or r.copies or r.held for r in self.ranks):
+                return False
+            while self.queue:  # the outputs of steps in flight (async scheduling)
+                self.apply()
+            return not self.s.requests
 
         self.run(idle, limit)
-        while self.queue:
-            self.apply()
 
     # -- the invariant ----------------------------------------------------------------
     def check(self, when: str) -> None:

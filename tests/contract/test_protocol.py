@@ -97,3 +97,32 @@ def test_a_finish_whose_save_planning_fails_leaves_no_job_over_the_freed_blocks(
     assert not e.kvdisk.store.index.has_pending()  # the reservation at 128 given back
     e.drain()  # no copy of the freed blocks
     assert api.all_blocks_free(e.s)
+
+
+def test_async_a_continued_save_due_past_the_known_ids_is_planned_a_step_later(make_engine):
+    """Async scheduling: when a decode step crosses a grid position (trim 0), the token
+    in flight is counted as computed but not yet in all_token_ids. The whole plan was
+    dropped: every decode-time continued save was lost."""
+    e = make_engine(async_scheduling=True, kv_cache_continued_interval_tokens=64)
+    r = api.make_request(PROMPT[:100], max_tokens=60)
+    e.add(r)
+    e.drain()
+    saved = sorted((j.plan.tokens, j.plan.reason) for j in e.saves)
+    assert (128, Reason.CONTINUED) in saved, saved
+    assert api.all_blocks_free(e.s)
+
+
+def test_async_a_position_past_the_known_ids_drops_only_itself(make_engine):
+    """Speculative decoding counts draft tokens as computed before their ids are known:
+    a plan whose furthest position is past the known ids was dropped whole."""
+    e = make_engine(async_scheduling=True)
+    r = api.make_request(PROMPT[:100], max_tokens=80)
+    e.add(r)
+    e.run(lambda: r.num_computed_tokens >= 150)
+    st = e.kvdisk._reqs[r.request_id]
+    known = len(r.all_token_ids)
+    assert 128 <= known < 160
+    assert e.kvdisk._plan(st, [(128, Reason.EVICT), (160, Reason.EVICT)])
+    assert [j.plan.tokens for j in e.kvdisk.saves.jobs] == [128]
+    e.drain()
+    assert api.all_blocks_free(e.s)

@@ -10,6 +10,8 @@ Invariants:
   jobs queued by that plan stays queued and their reservations are released (the caller
   may answer vLLM that nothing is saved, and vLLM then frees the blocks).
 * ``drop`` takes back every queued job of a request: a job leaves only in ``take``.
+* Each position is planned on its own: one past the request's known token ids is left
+  out, never the positions below it.
 """
 
 from __future__ import annotations
@@ -109,13 +111,14 @@ class SavePlanning:
                     if min(length, at_cap) >= self.rules.min_tokens
                 }
             )
+        # A position past the known ids (tokens in flight under async scheduling or
+        # speculative decoding) is dropped alone; the positions below it are planned.
+        known = len(request.all_token_ids)
+        due = [(length, reason) for length, reason in due if length <= known]
         if not due or not st.control.save:
             return False
         top = max(length for length, _ in due)
-        ids = request.all_token_ids[:top]
-        if len(ids) < top:
-            return False
-        prompt = Prompt(self.table, ids)
+        prompt = Prompt(self.table, request.all_token_ids[:top])
         planned = False
         grid = self.rules.grid
         on_grid = grid.is_position

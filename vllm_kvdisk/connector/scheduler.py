@@ -298,6 +298,13 @@ class SchedulerSide:
                 request = st.request
                 before = request.num_computed_tokens
                 due = self.rules.on_step(request.num_prompt_tokens, before, before + n_sched)
+                # Under async scheduling the ids of the tokens in flight are not known yet
+                # (computed counts them, all_token_ids does not): a position past the ids
+                # waits for a later step, while its KV is still computed and the request's.
+                due = sorted(set(due + [p for p in st.deferred if p[0] <= before]))
+                known = len(request.all_token_ids)
+                st.deferred = [p for p in due if p[0] > known]
+                due = [p for p in due if p[0] <= known]
                 if due:
                     self._plan(st, due)
             if self._shutdown_requested and not self._shutdown_saved:
@@ -317,7 +324,10 @@ class SchedulerSide:
         for req_id, st in self._reqs.items():
             if not st.computing:
                 continue
-            due = self.rules.on_shutdown(st.request.num_computed_tokens)
+            request = st.request
+            due = self.rules.on_shutdown(
+                min(request.num_computed_tokens, len(request.all_token_ids))
+            )
             if due:
                 self._plan(st, due)
 
@@ -360,7 +370,9 @@ class SchedulerSide:
         planned = False
         try:
             tables = min((len(ids) for ids in group_ids), default=0)
-            computed = min(request.num_computed_tokens, tables * self.block_size)
+            computed = min(  # async scheduling: the ids of tokens in flight are unknown
+                request.num_computed_tokens, tables * self.block_size, len(request.all_token_ids)
+            )
             planned = self._plan(st, self.rules.on_finished(computed), group_ids)
         except Exception:  # noqa: BLE001 - served without its saves, and without their jobs
             self.saves.drop(st)

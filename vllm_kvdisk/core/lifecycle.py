@@ -30,13 +30,14 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 import numpy as np
 
 from vllm_kvdisk.core.control import RequestControl
+from vllm_kvdisk.core.format import Reason
 from vllm_kvdisk.core.index import Lookup
 from vllm_kvdisk.core.keys import Scope
 from vllm_kvdisk.core.policy import Decision
@@ -64,6 +65,9 @@ class RequestState:
     declined: Decision | None = None  # the load policy found recomputing cheaper
     copies_out: int = 0  # copy confirmations still due from the workers (one per job each)
     load_error: bool = False  # a rank reported part of the load in flight failed
+    # Save positions already computed whose token ids were not known yet (async
+    # scheduling): planned at a later step, (length, reason) each.
+    deferred: list[tuple[int, Reason]] = field(default_factory=list)
 
     # -- questions ----------------------------------------------------------------------
     @property
