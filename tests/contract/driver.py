@@ -6,10 +6,11 @@ Each simulated TP rank follows the worker half's protocol (``connector/worker.py
 starts the step's loads and page copies, completes a preempted request's copies before
 the forward (``flush``), reports a finished load in ``finished_recving`` (with its bad
 blocks in ``invalid_block_ids`` and the request in ``WorkerReport.failed_loads``, in the
-same step), each copy in ``WorkerReport.copied``, and a held request in
-``finished_sending`` once none of its copies runs. Its saves are reported failed (no
-file is written), which releases their reservations. The ranks' outputs go through
-vLLM's own ``KVOutputAggregator``.
+same step; rank 0, whose namespace the scheduler indexes, also reports the chain's last
+file stale, as a load that found it corrupt does), each copy in ``WorkerReport.copied``,
+and a held request in ``finished_sending`` once none of its copies runs. Its saves are
+reported failed (no file is written), which releases their reservations. The ranks'
+outputs go through vLLM's own ``KVOutputAggregator``.
 
 What it checks, after every action that may free blocks (``schedule``,
 ``update_from_output``, an abort): every page copy and every load still running reads or
@@ -79,6 +80,8 @@ class Rank:
             if bad:
                 invalid.update(bad)
                 report.failed_loads.append(req_id)
+                if self.index == 0 and job.files:  # rank 0's namespace is the indexed one
+                    report.stale.append((job.indexed_ns, job.files[-1].sha1))
         running = []
         for copy in self.copies:
             copy.steps -= 1
