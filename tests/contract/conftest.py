@@ -18,6 +18,7 @@ def make_engine(tiny_model, tmp_path):
     made = []
 
     def make(tp=1, *, loads=None, copy_steps=1, async_scheduling=False, **kvdisk):
+        vllm_args = {k: kvdisk.pop(k) for k in ("num_blocks", "state_group") if k in kvdisk}
         config = {
             "kv_cache_boundary_align_tokens": 64,
             "kv_cache_boundary_trim_tokens": 0,
@@ -25,7 +26,12 @@ def make_engine(tiny_model, tmp_path):
             **kvdisk,
         }
         sched = api.make_scheduler(
-            tiny_model, str(tmp_path / "kv"), tp=tp, async_scheduling=async_scheduling, **config
+            tiny_model,
+            str(tmp_path / "kv"),
+            tp=tp,
+            async_scheduling=async_scheduling,
+            **vllm_args,
+            **config,
         )
         kw = {"loads": loads} if loads else {}
         engine = Engine(sched, tp, copy_steps=copy_steps, depth=2 if async_scheduling else 1, **kw)

@@ -57,10 +57,14 @@ class Rank:
     loads: dict[str, tuple[LoadJob, int, list[int]]] = field(default_factory=dict)
     copies: list[Copy] = field(default_factory=list)
     held: set[str] = field(default_factory=set)
+    done: list[Copy] = field(default_factory=list)  # copies ended early, reported at finish
 
     def start(self, meta, plan: LoadPlan, copy_steps: int) -> None:
-        for req_id in meta.flush:  # handle_preemptions: copies end before the forward
-            self.copies = [c for c in self.copies if c.job.req_id != req_id]
+        for copy in self.copies:  # handle_preemptions: these copies end before the forward
+            if copy.job.req_id in meta.flush:
+                copy.steps = 0
+        self.done += [c for c in self.copies if c.steps == 0]
+        self.copies = [c for c in self.copies if c.steps > 0]
         for job in meta.loads:
             steps, bad = plan(job, self.index)
             self.loads[job.req_id] = (job, steps, bad)
@@ -87,10 +91,12 @@ class Rank:
             copy.steps -= 1
             if copy.steps > 0:
                 running.append(copy)
-                continue
+            else:
+                self.done.append(copy)
+        for copy in self.done:
             report.copied.append(copy.job.req_id)
             report.failed_saves.append((copy.job.plan.ns, copy.job.plan.sha1))
-        self.copies = running
+        self.copies, self.done = running, []
         copying = {c.job.req_id for c in self.copies}
         sending = {r for r in self.held if r not in copying}
         self.held -= sending
@@ -194,7 +200,9 @@ class Engine:
         for rank in self.ranks:
             for copy in rank.copies:
                 job = copy.job
-                self._owned(job.req_id, job.block_ids, f"a copy on rank {rank.index}", when)
+                for group, blocks in enumerate(job.groups or [job.block_ids]):
+                    what = f"a copy on rank {rank.index}"
+                    self._owned(job.req_id, blocks, what, when, group)
                 clash = sorted(b for b in job.block_ids if b in loading)
                 if clash:
                     raise FreedBlockRead(
@@ -202,12 +210,23 @@ class Engine:
                         f"that a load of {loading[clash[0]]} is still writing"
                     )
 
-    def _owned(self, req_id: str, blocks: list[int], what: str, when: str) -> None:
-        lost = sorted(set(blocks) - api.owned_blocks(self.s, req_id))
+    def _owned(self, req_id: str, blocks: list[int], what: str, when: str, group: int = 0) -> None:
+        held = api.owned_blocks(self.s, req_id, group)
+        if group in self.kvdisk.states.state_groups:  # or pinned by kvdisk for the request
+            held |= self.pinned(req_id)
+        lost = sorted(set(blocks) - held)
         if lost:
             raise FreedBlockRead(
                 f"after {when}: {what} of {req_id} uses blocks {lost} vLLM has freed"
             )
+
+    def pinned(self, req_id: str) -> set[int]:
+        """State blocks kvdisk pins for a request (its newest boundary, or until its
+        finished_sending)."""
+        states = self.kvdisk.states
+        newest = states._newest.get(req_id, (0, {}))[1].values()
+        after = states._after_finish.get(req_id, [])
+        return {b.block_id for b in [*newest, *after]}
 
 
 def seed_checkpoint(engine: Engine, prompt: list[int], tokens: int) -> None:

@@ -5,6 +5,7 @@ raises (AssertionError) if the connector breaks its side of the protocol."""
 
 from __future__ import annotations
 
+import pytest
 import vllm_api as api
 from driver import seed_checkpoint
 
@@ -126,3 +127,46 @@ def test_async_a_position_past_the_known_ids_drops_only_itself(make_engine):
     assert [j.plan.tokens for j in e.kvdisk.saves.jobs] == [128]
     e.drain()
     assert api.all_blocks_free(e.s)
+
+
+@pytest.mark.parametrize(
+    "control", [{"save": False}, {"max_save_tokens": 48}], ids=["save-false", "past-the-cap"]
+)
+def test_a_state_is_pinned_only_where_a_save_could_be_made(make_engine, control):
+    """A Mamba / linear-attention state vLLM hands over was pinned for every request, one
+    block per state group each, also for requests that never save there."""
+    e = make_engine(state_group=True)
+    r = api.make_request(PROMPT[:100], max_tokens=20, kv_transfer_params={"kvdisk": control})
+    e.add(r)
+    for _ in range(25):
+        e.step()
+        assert e.kvdisk.states.pinned == 0
+    e.drain()
+    assert not e.saves and api.all_blocks_free(e.s)
+
+
+def test_a_state_pin_is_kept_for_a_save_below_the_cap(make_engine):
+    e = make_engine(state_group=True)
+    r = api.make_request(PROMPT[:100], max_tokens=20, kv_transfer_params={"kvdisk": {}})
+    e.add(r)
+    e.step()
+    assert e.kvdisk.states.boundary(r.request_id)[0] == 96  # the prompt's last whole block
+    e.drain()
+    assert [(j.plan.tokens, j.plan.reason) for j in e.saves][:1] == [(96, Reason.COLD)]
+
+
+def test_a_preempted_request_keeps_no_state_pin_while_it_waits(make_engine):
+    e = make_engine(state_group=True, num_blocks=24)  # three requests do not fit: preemptions
+    for i in range(3):
+        e.add(api.make_request(PROMPT[i * 10 : i * 10 + 100], max_tokens=60))
+    waited = 0
+    for _ in range(200):
+        if not e.s.requests:
+            break
+        e.step()
+        for req_id in api.preempted(e.s):
+            waited += 1
+            assert e.kvdisk.states.boundary(req_id) is None, req_id
+    assert waited  # preemptions happened
+    e.drain()
+    assert e.kvdisk.states.pinned == 0 and api.all_blocks_free(e.s)

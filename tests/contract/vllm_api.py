@@ -31,7 +31,12 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -51,10 +56,13 @@ def make_scheduler(
     tp: int = 1,
     async_scheduling: bool = False,
     max_num_batched_tokens: int = 2048,
+    state_group: bool = False,
     **kvdisk: Any,
 ) -> Scheduler:
     """A real vLLM scheduler with kvdisk (config keys ``kvdisk``) as its connector, for a
-    model of ``tp`` ranks (the tiny model: 4 layers, 2 KV heads of 64)."""
+    model of ``tp`` ranks (the tiny model: 4 layers, 2 KV heads of 64). ``state_group``:
+    two of its layers keep a Mamba / linear-attention state instead, in vLLM's "align"
+    mode (its scheduler hands the boundary states over to the connector)."""
     register()
     model_config = ModelConfig(model=model, dtype="float32", seed=0, max_model_len=8192)
     scheduler_config = SchedulerConfig(
@@ -65,7 +73,11 @@ def make_scheduler(
         is_encoder_decoder=False,
         async_scheduling=async_scheduling,
     )
-    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    cache_config = CacheConfig(
+        block_size=block_size,
+        enable_prefix_caching=True,
+        mamba_cache_mode="align" if state_group else "none",
+    )
     transfer = KVTransferConfig(
         kv_connector="kvdisk",
         kv_role="kv_both",
@@ -81,17 +93,24 @@ def make_scheduler(
         device_config=DeviceConfig("cpu"),
     )
     heads = max(1, 2 // tp)
+    attention = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=heads, head_size=64, dtype=torch.float32
+    )
+    groups = [KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(4)], attention)]
+    if state_group:
+        state = MambaSpec(
+            block_size=block_size,
+            shapes=((3, 64), (2, 16, 32)),
+            dtypes=(torch.float32, torch.float32),
+            page_size_padded=attention.page_size_bytes,  # vLLM's aligned layout: one size
+            mamba_cache_mode="align",
+        )
+        groups = [
+            KVCacheGroupSpec([f"model.layers.{i}.linear_attn" for i in (0, 2)], state),
+            KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in (1, 3)], attention),
+        ]
     kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                [f"model.layers.{i}.self_attn.attn" for i in range(4)],
-                FullAttentionSpec(
-                    block_size=block_size, num_kv_heads=heads, head_size=64, dtype=torch.float32
-                ),
-            )
-        ],
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
     )
     config.cache_config.num_gpu_blocks = num_blocks
     cls = AsyncScheduler if async_scheduling else Scheduler
@@ -175,10 +194,11 @@ def copy_output(output: ModelRunnerOutput) -> ModelRunnerOutput:
     return dataclasses.replace(output)
 
 
-def owned_blocks(scheduler: Scheduler, req_id: str) -> set[int]:
-    """The engine blocks vLLM still holds for a request (none once it freed them)."""
-    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
-    return {b.block_id for b in manager.req_to_blocks.get(req_id, ())}
+def owned_blocks(scheduler: Scheduler, req_id: str, group: int = 0) -> set[int]:
+    """The engine blocks of one KV cache group vLLM still holds for a request (none once
+    it freed them)."""
+    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[group]
+    return {b.block_id for b in manager.req_to_blocks.get(req_id, ()) if not b.is_null}
 
 
 def block_table(scheduler: Scheduler, req_id: str) -> list[int]:
@@ -203,3 +223,10 @@ def all_blocks_free(scheduler: Scheduler) -> bool:
     """Every block back in vLLM's pool (the null block aside): nothing leaked or held."""
     pool = scheduler.kv_cache_manager.block_pool
     return pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+def preempted(scheduler: Scheduler) -> list[str]:
+    """Requests vLLM preempted that wait to be scheduled again."""
+    return [
+        r.request_id for r in scheduler.requests.values() if r.status == RequestStatus.PREEMPTED
+    ]

@@ -288,9 +288,8 @@ class SchedulerSide:
         meta = StepMeta(self._loads, [], scheduler_output.total_num_scheduled_tokens)
         self._loads = []
         try:
-            self.states.take(
-                scheduler_output, lambda r: getattr(self._reqs.get(r), "may_save", False)
-            )
+            self.states.preempted(scheduler_output.preempted_req_ids)
+            self.states.take(scheduler_output, self._state_saveable)
             for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
                 st = self._reqs.get(req_id)
                 if st is None or not st.may_save:
@@ -317,6 +316,17 @@ class SchedulerSide:
         meta.holds, self._holds = self._holds, []
         meta.flush = [r for r in scheduler_output.preempted_req_ids or () if r in self._reqs]
         return meta
+
+    def _state_saveable(self, req_id: str, tokens: int) -> bool:
+        """Whether a save of the request could ever be made at a state boundary of
+        ``tokens`` (``_plan``'s conditions): only such a state is pinned."""
+        st = self._reqs.get(req_id)
+        if st is None or not st.may_save or not st.control.save:
+            return False
+        cap = st.control.max_save_tokens
+        if cap is not None and tokens > self.rules.grid.block_floor(cap):
+            return False
+        return tokens >= self.rules.min_tokens
 
     def _checkpoint_running(self) -> None:
         """Shutdown saves: every running request's computed prefix, in case the drain
