@@ -13,6 +13,10 @@ Invariants:
 * A hit is always block-aligned, beyond what the GPU prefix cache holds, below the full
   prompt, and asynchronous. When a request may load or save is ``lifecycle``'s to say
   (a request whose load failed is never offered the disk again).
+* ``request_finished`` answers for every save job of the request: on False (vLLM frees
+  the blocks at once) none is queued and their reservations are released; it holds the
+  blocks while any copy of the request is unconfirmed. A request with a load out on any
+  rank is answered False and never saved (vLLM frees it with its finished_recving).
 * Nothing a client or the storage can cause escapes a hook: it is counted
   (``vllm:kvdisk_errors_total{hook}``), logged, and the request is served without the cache.
   A request that was promised a load always gets a load job (possibly one that fails at
