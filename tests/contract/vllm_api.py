@@ -5,8 +5,9 @@ here, so the same tests run against another vLLM once this module knows its API.
 
 vLLM 0.32 (the CPU build this project runs on): ``Scheduler`` / ``AsyncScheduler`` from
 ``vllm.v1.core.sched``; ``ModelRunnerOutput`` takes ``req_id_to_index``. vLLM 0.34 drops
-that field; its ``Scheduler`` is built on a config that needs an explicit
-``DeviceConfig("cpu")`` (the platform is not inferred without a vLLM build for it).
+that field (``runner_output`` passes it only where it exists), and its config needs the
+explicit ``DeviceConfig("cpu")`` given here (without a vLLM build for this machine the
+platform is not inferred). With those two, the suite runs unchanged on both.
 """
 
 from __future__ import annotations
@@ -168,30 +169,27 @@ def kv_output(
     )
 
 
+# vLLM 0.34's ModelRunnerOutput has no req_id_to_index.
+_INDEXED = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+
+
 def runner_output(
     scheduler_output: Any, kv: KVConnectorOutput | None, token: int = 7
 ) -> ModelRunnerOutput:
     """One rank's output of a step: one sampled token per request the step computed."""
     req_ids = list(scheduler_output.num_scheduled_tokens)
+    index = {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}} if _INDEXED else {}
     return ModelRunnerOutput(
         req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=[[token] for _ in req_ids],
         kv_connector_output=kv,
+        **index,
     )
-
-
-def empty_output() -> ModelRunnerOutput:
-    return ModelRunnerOutput(req_ids=[], req_id_to_index={})
 
 
 def aggregator(tp: int) -> KVOutputAggregator:
     """vLLM's own aggregation of the ranks' outputs (what its executors run)."""
     return KVOutputAggregator(expected_finished_count=tp)
-
-
-def copy_output(output: ModelRunnerOutput) -> ModelRunnerOutput:
-    return dataclasses.replace(output)
 
 
 def owned_blocks(scheduler: Scheduler, req_id: str, group: int = 0) -> set[int]:
