@@ -23,8 +23,9 @@ def test_a_failed_load_never_loads_again_but_saves_its_recomputed_prefix():
     # preemption. Offering the disk again repeated the failing load forever.
     st = state()
     st.admitted(loading=True)
-    st.load_finished()  # a failed load reports finished_recving too, in the same step
-    st.load_failed()
+    st.load_failed()  # a rank's report; with TP > 1 other ranks may still be loading
+    assert st.phase is Phase.LOADING and not st.may_save and not st.computing
+    st.load_finished()  # the finished_recving vLLM delivers once every rank sent it
     assert st.phase is Phase.FAILED and not st.may_load
     assert st.may_save and st.computing
     st.load_finished()  # a late duplicate changes nothing

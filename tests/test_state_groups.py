@@ -212,23 +212,23 @@ def test_the_newest_whole_boundary_is_pinned_in_vllms_block_pool():
     states.pool = pool
     free = pool.get_num_free_blocks()
     # group 0 is not a state group: its offers are ignored; a boundary needs every state group
-    states.take(step({"r": [(1, ids[0], 1280), (0, ids[1], 1280)]}), lambda r: True)
+    states.take(step({"r": [(1, ids[0], 1280), (0, ids[1], 1280)]}), lambda r, t: True)
     assert states.boundary("r") == (1280, {1: ids[0]})
-    states.take(step({"x": [(1, ids[2], 640)]}), lambda r: r != "x")  # may not save
+    states.take(step({"x": [(1, ids[2], 640)]}), lambda r, t: r != "x")  # may not save
     assert states.boundary("x") is None
     pool.free_blocks([held[0]])  # vLLM moves on and frees the block: the pin keeps it
     assert held[0].ref_cnt == 1 and pool.get_num_free_blocks() == free
-    states.take(step({"r": [(1, ids[3], 1920)]}), lambda r: True)  # a newer boundary
+    states.take(step({"r": [(1, ids[3], 1920)]}), lambda r, t: True)  # a newer boundary
     assert states.boundary("r") == (1920, {1: ids[3]})
     assert held[0].ref_cnt == 0 and pool.get_num_free_blocks() == free + 1
-    states.take(step({"r": [(1, ids[1], 640)]}), lambda r: True)  # an older one: ignored
+    states.take(step({"r": [(1, ids[1], 640)]}), lambda r, t: True)  # an older one: ignored
     assert states.boundary("r")[0] == 1920
     # a request that finishes with a save planned keeps its pin until finished_sending
     states.finished("r", saving=True)
     assert states.pinned == 1 and held[3].ref_cnt == 2
     states.released({"r"})
     assert states.pinned == 0 and held[3].ref_cnt == 1
-    states.take(step({"s": [(1, ids[2], 640)]}), lambda r: True)
+    states.take(step({"s": [(1, ids[2], 640)]}), lambda r, t: True)
     states.finished("s", saving=False)
     assert states.pinned == 0 and held[2].ref_cnt == 1
 

@@ -220,12 +220,21 @@ def copy_output(output: ModelRunnerOutput) -> ModelRunnerOutput:
     return dataclasses.replace(output)
 
 
-def owned_blocks(scheduler: Scheduler, req_id: str) -> set[int]:
-    """The engine blocks vLLM still holds for a request (none once it freed them)."""
+def owned_blocks(scheduler: Scheduler, req_id: str, group: int | None = None) -> set[int]:
+    """The engine blocks vLLM still holds for a request (none once it freed them), of one
+    KV cache group or (None) of all."""
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
     owned: set[int] = set()
-    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
-        owned.update(b.block_id for b in manager.req_to_blocks.get(req_id, ()))
+    for manager in managers if group is None else [managers[group]]:
+        owned.update(b.block_id for b in manager.req_to_blocks.get(req_id, ()) if not b.is_null)
     return owned
+
+
+def preempted(scheduler: Scheduler) -> list[str]:
+    """Requests vLLM preempted that wait to be scheduled again."""
+    return [
+        r.request_id for r in scheduler.requests.values() if r.status == RequestStatus.PREEMPTED
+    ]
 
 
 def block_table(scheduler: Scheduler, req_id: str) -> list[int]:

@@ -4,6 +4,14 @@ Each due position of a request is planned as a delta on the deepest checkpoint o
 in flight (``planner``), reserved in the index (two-phase: a reserved key is a parent and
 a duplicate for the next plans, never a lookup hit) and handed to the workers as a
 :class:`SaveJob` with the engine blocks it stores, per KV cache group.
+
+Invariants:
+* A plan is all or nothing: when planning a request's positions raises, none of its
+  jobs queued by that plan stays queued and their reservations are released (the caller
+  may answer vLLM that nothing is saved, and vLLM then frees the blocks).
+* ``drop`` takes back every queued job of a request: a job leaves only in ``take``.
+* Each position is planned on its own: one past the request's known token ids is left
+  out, never the positions below it.
 """
 
 from __future__ import annotations
@@ -46,6 +54,20 @@ class SavePlanning:
         jobs, self.jobs = self.jobs, []
         return jobs
 
+    def drop(self, st: RequestState, since: int = 0) -> None:
+        """Take back the request's jobs queued from index ``since`` on, releasing their
+        reservations: they will never be copied."""
+        req_id = st.request.request_id
+        kept = self.jobs[:since]
+        for job in self.jobs[since:]:
+            if job.req_id != req_id:
+                kept.append(job)
+                continue
+            self.store.index.release(job.plan.ns, job.plan.sha1)
+            self.events.dropped((job.plan.ns, job.plan.sha1))
+            st.copies_out -= self.workers
+        self.jobs = kept
+
     def plan(
         self,
         st: RequestState,
@@ -55,7 +77,22 @@ class SavePlanning:
     ) -> bool:
         """Plan the due saves of one request (``group_ids``: its block ids, one list per
         KV cache group; ``states``: per state group, the block holding the state at the
-        one due position); True if any was planned."""
+        one due position); True if any was planned. All or nothing: if it raises, no job
+        of this plan is queued."""
+        since = len(self.jobs)
+        try:
+            return self._plan(st, due, group_ids, states)
+        except Exception:
+            self.drop(st, since)
+            raise
+
+    def _plan(
+        self,
+        st: RequestState,
+        due: list[tuple[int, Reason]],
+        group_ids: list[list[int]],
+        states: dict[int, int] | None,
+    ) -> bool:
         block_ids = self.blocks.main(group_ids)
         request = st.request
         cap = st.control.max_save_tokens
@@ -74,13 +111,14 @@ class SavePlanning:
                     if min(length, at_cap) >= self.rules.min_tokens
                 }
             )
+        # A position past the known ids (tokens in flight under async scheduling or
+        # speculative decoding) is dropped alone; the positions below it are planned.
+        known = len(request.all_token_ids)
+        due = [(length, reason) for length, reason in due if length <= known]
         if not due or not st.control.save:
             return False
         top = max(length for length, _ in due)
-        ids = request.all_token_ids[:top]
-        if len(ids) < top:
-            return False
-        prompt = Prompt(self.table, ids)
+        prompt = Prompt(self.table, request.all_token_ids[:top])
         planned = False
         for length, reason in due:
             plan = self.planner.plan_save(st.ns, prompt, length, reason)

@@ -13,6 +13,10 @@ Invariants:
 * A hit is always block-aligned, beyond what the GPU prefix cache holds, below the full
   prompt, and asynchronous. When a request may load or save is ``lifecycle``'s to say
   (a request whose load failed is never offered the disk again).
+* ``request_finished`` answers for every save job of the request: on False (vLLM frees
+  the blocks at once) none is queued and their reservations are released; it holds the
+  blocks while any copy of the request is unconfirmed. A request with a load out on any
+  rank is answered False and never saved (vLLM frees it with its finished_recving).
 * Nothing a client or the storage can cause escapes a hook: it is counted
   (``vllm:kvdisk_errors_total{hook}``), logged, and the request is served without the cache.
   A request that was promised a load always gets a load job (possibly one that fails at
@@ -307,9 +311,8 @@ class SchedulerSide:
         meta = StepMeta(self._loads, [], scheduler_output.total_num_scheduled_tokens)
         self._loads = []
         try:
-            self.states.take(
-                scheduler_output, lambda r: getattr(self._reqs.get(r), "may_save", False)
-            )
+            self.states.preempted(scheduler_output.preempted_req_ids)
+            self.states.take(scheduler_output, self._state_saveable)
             for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
                 st = self._reqs.get(req_id)
                 if st is None or not st.may_save:
@@ -317,6 +320,13 @@ class SchedulerSide:
                 request = st.request
                 before = request.num_computed_tokens
                 due = self.rules.on_step(request.num_prompt_tokens, before, before + n_sched)
+                # Under async scheduling the ids of the tokens in flight are not known yet
+                # (computed counts them, all_token_ids does not): a position past the ids
+                # waits for a later step, while its KV is still computed and the request's.
+                due = sorted(set(due + [p for p in st.deferred if p[0] <= before]))
+                known = len(request.all_token_ids)
+                st.deferred = [p for p in due if p[0] > known]
+                due = [p for p in due if p[0] <= known]
                 if due:
                     self._plan(st, due)
             if self._shutdown_requested and not self._shutdown_saved:
@@ -330,13 +340,27 @@ class SchedulerSide:
         meta.flush = [r for r in scheduler_output.preempted_req_ids or () if r in self._reqs]
         return meta
 
+    def _state_saveable(self, req_id: str, tokens: int) -> bool:
+        """Whether a save of the request could ever be made at a state boundary of
+        ``tokens`` (``_plan``'s conditions): only such a state is pinned."""
+        st = self._reqs.get(req_id)
+        if st is None or not st.may_save or not st.control.save:
+            return False
+        cap = st.control.max_save_tokens
+        if cap is not None and tokens > self.rules.grid.block_floor(cap):
+            return False
+        return tokens >= self.rules.min_tokens
+
     def _checkpoint_running(self) -> None:
         """Shutdown saves: every running request's computed prefix, in case the drain
         that follows does not finish before the engine is killed."""
         for req_id, st in self._reqs.items():
             if not st.computing:
                 continue
-            due = self.rules.on_shutdown(st.request.num_computed_tokens)
+            request = st.request
+            due = self.rules.on_shutdown(
+                min(request.num_computed_tokens, len(request.all_token_ids))
+            )
             if due:
                 self._plan(st, due)
 
@@ -383,18 +407,31 @@ class SchedulerSide:
         return self._finished(request, [list(ids) for ids in block_ids])
 
     def _finished(self, request: Any, group_ids: list[list[int]]) -> tuple[bool, dict | None]:
-        st = self._reqs.pop(request.request_id, None)
+        """Plan a finished request's saves and say whether vLLM must keep its blocks.
+        Nothing below the planning can raise: whatever this answers, every job of the
+        request still queued is covered by it (vLLM frees the blocks at once on False)."""
+        req_id = request.request_id
+        st = self._reqs.pop(req_id, None)
         if st is None or not st.may_save:
             # A request aborted mid-load is released by its finished_recving, never here.
-            self.states.finished(request.request_id, saving=False)
+            self.states.finished(req_id, saving=False)
             return False, None
-        tables = min((len(ids) for ids in group_ids), default=0)
-        computed = min(request.num_computed_tokens, tables * self.block_size)
         planned = False
         try:
+            tables = min((len(ids) for ids in group_ids), default=0)
+            computed = min(  # async scheduling: the ids of tokens in flight are unknown
+                request.num_computed_tokens, tables * self.block_size, len(request.all_token_ids)
+            )
             planned = self._plan(st, self.rules.on_finished(computed), group_ids)
-        finally:  # a state pin outlives the request only for a save copied later
-            self.states.finished(request.request_id, saving=planned and st.holds_blocks)
+        except Exception:  # noqa: BLE001 - served without its saves, and without their jobs
+            self.saves.drop(st)
+            self.stats.count("errors", "request_finished")
+            log.exception("kvdisk: planning the saves of finished %s failed", req_id)
+        try:  # a state pin outlives the request only for a save copied later
+            self.states.finished(req_id, saving=planned and st.holds_blocks)
+        except Exception:  # noqa: BLE001 - a pin kept costs capacity, never correctness
+            self.stats.count("errors", "request_finished")
+            log.exception("kvdisk: releasing the state pin of %s failed", req_id)
         if not st.holds_blocks:
             return False, None
         # Some copy of its pages may still run (copies run after the step that planned
@@ -413,19 +450,21 @@ class SchedulerSide:
             st = self._reqs.get(req_id)
             if st is not None:
                 st.copies_out -= 1
-        for req_id in output.finished_recving or ():
-            st = self._reqs.get(req_id)
-            if st is not None:
-                st.load_finished()
-        report = output.kv_connector_worker_meta
-        if not isinstance(report, WorkerReport):
-            return
         # Failed loads come in our report, not vLLM's ``failed_recving``: that one makes
         # vLLM recompute the whole request, the invalid block ids only what was lost.
-        for req_id in report.failed_loads:  # vLLM re-queues it to recompute: no new load
+        # vLLM forwards each rank's report in the step it comes but a request's
+        # finished_recving only once every rank sent it: a failure is recorded first and
+        # applied by the finished_recving vLLM delivers (this step's or a later one).
+        for req_id in report.failed_loads if isinstance(report, WorkerReport) else ():
             st = self._reqs.get(req_id)
             if st is not None:
                 st.load_failed()
+        for req_id in output.finished_recving or ():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.load_finished()  # vLLM re-queues a failed one to recompute: no new load
+        if not isinstance(report, WorkerReport):
+            return
         index = self.store.index
         now = time.monotonic()
         for entry in report.written:

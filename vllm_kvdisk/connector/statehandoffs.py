@@ -7,10 +7,12 @@ step that computes it (``SchedulerOutput.kv_connector_block_state
 .boundary_state_offloads``: request, group, block, boundary tokens), without keeping it.
 
 So per request this keeps the **newest** offered boundary whose every state group was
-offered, pinned in vLLM's block pool (``touch``), until a newer one replaces it or the
-request ends: a checkpoint of a state model is made only there (``boundary``), for any
-save reason. A pin released after a save was planned on it is safe: the block goes back
-to vLLM's free queue in this scheduler step at the earliest, and nothing writes it before
+offered and where a save could be made (the request saves, the boundary is within its
+``max_save_tokens``), pinned in vLLM's block pool (``touch``), until a newer one replaces
+it, the request is preempted, or it ends: a checkpoint of a state model is made only
+there (``boundary``), for any save reason. A pin released after a save was planned on it
+is safe: the block goes back to vLLM's free queue in this scheduler step at the earliest,
+and nothing writes it before
 the next step's ``handle_preemptions``, which waits for the copies of state pages. A save
 planned when a request finishes is copied one step later, so that request's pin is
 kept until the workers name it in ``finished_sending``.
@@ -35,22 +37,23 @@ class StateHandoffs:
     def active(self) -> bool:
         return bool(self.state_groups)
 
-    def take(self, scheduler_output: Any, wanted: Callable[[str], bool]) -> None:
-        """Pin the newest whole boundary offered this step to each request ``wanted``
-        names (one that may save), releasing the one it replaces."""
+    def take(self, scheduler_output: Any, wanted: Callable[[str, int], bool]) -> None:
+        """Pin, per request, the newest whole boundary offered this step that ``wanted``
+        accepts (``wanted(req_id, tokens)``: a save could be made there), releasing the
+        one it replaces."""
         if not self.active or self.pool is None:
             return
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         offers = getattr(state, "boundary_state_offloads", None) or {}
         for req_id, entries in offers.items():
-            if not wanted(req_id):
-                continue
             by_boundary: dict[int, dict[int, int]] = {}
             for group, block_id, tokens in entries:
                 if group in self.state_groups and block_id:
                     by_boundary.setdefault(int(tokens), {})[int(group)] = int(block_id)
             whole = [
-                t for t, blocks in by_boundary.items() if len(blocks) == len(self.state_groups)
+                t
+                for t, blocks in by_boundary.items()
+                if len(blocks) == len(self.state_groups) and wanted(req_id, t)
             ]
             if not whole:
                 continue
@@ -81,6 +84,15 @@ class StateHandoffs:
             self._after_finish[req_id] = list(found[1].values())
         else:
             self.pool.free_blocks(list(found[1].values()))
+
+    def preempted(self, req_ids: Any) -> None:
+        """vLLM preempted these requests: their pins go now (a preempted request waits,
+        maybe long, and computes its states again when it resumes). Safe for a copy
+        still running: the workers finish a preempted request's copies before the step's
+        forward (``flush``), and the block is allocated again at the next step at the
+        earliest."""
+        for req_id in req_ids or ():
+            self.finished(req_id, saving=False)
 
     def released(self, req_ids: Any) -> None:
         """The workers gave these finished requests' blocks back (``finished_sending``)."""

@@ -6,12 +6,19 @@ save is here and unit-tested.
 
     NEW --admitted(load)--> LOADING --load_finished--> RUNNING
      |                         |                          |
-     +--admitted(no load)------+--load_failed--> FAILED   +--(preempted: back in the queue)
-                                                              may load again
+     +--admitted(no load)------+                          +--(preempted: back in the queue)
+                               |                              may load again
+                               +--load_failed (recorded), then load_finished--> FAILED
 
 Invariants:
 * A request that has a load job out (``LOADING``) is never offered another one, never
-  saves, and is released by its ``finished_recving``, never by ``request_finished``.
+  saves, is not checkpointed at shutdown, and is released by its ``finished_recving``,
+  never by ``request_finished``.
+* It leaves ``LOADING`` only through the ``finished_recving`` vLLM delivers, which with
+  TP > 1 is vLLM's aggregate: every rank has finished its part. A rank's failed load
+  arrives earlier (worker reports are forwarded in the step they come) while other ranks
+  may still be writing into the blocks: ``load_failed`` only records it, and
+  ``load_finished`` applies it.
 * A request whose load failed (``FAILED``) is never offered the disk again: vLLM re-queues
   it to recompute the invalid blocks, which looks like a preemption from here. It saves as
   usual once recomputed (a corrupt file's name gets a sound file again).
@@ -23,13 +30,14 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 import numpy as np
 
 from vllm_kvdisk.core.control import RequestControl
+from vllm_kvdisk.core.format import Reason
 from vllm_kvdisk.core.index import Lookup
 from vllm_kvdisk.core.keys import Scope
 from vllm_kvdisk.core.policy import Decision
@@ -56,6 +64,10 @@ class RequestState:
     memo_ids: np.ndarray | None = None
     declined: Decision | None = None  # the load policy found recomputing cheaper
     copies_out: int = 0  # copy confirmations still due from the workers (one per job each)
+    load_error: bool = False  # a rank reported part of the load in flight failed
+    # Save positions already computed whose token ids were not known yet (async
+    # scheduling): planned at a later step, (length, reason) each.
+    deferred: list[tuple[int, Reason]] = field(default_factory=list)
 
     # -- questions ----------------------------------------------------------------------
     @property
@@ -83,10 +95,14 @@ class RequestState:
         self.phase = Phase.LOADING if loading else Phase.RUNNING
 
     def load_finished(self) -> None:
-        """Its ``finished_recving`` arrived (a failed load reports that too)."""
+        """vLLM delivered its ``finished_recving``: every rank's part of the load ended
+        (a failed one too), and the request may compute."""
         if self.phase is Phase.LOADING:
-            self.phase = Phase.RUNNING
+            self.phase = Phase.FAILED if self.load_error else Phase.RUNNING
+            self.load_error = False
 
     def load_failed(self) -> None:
-        """Some of its blocks could not be loaded; vLLM recomputes them."""
-        self.phase = Phase.FAILED
+        """A rank could not load some of its blocks (vLLM recomputes them). Other ranks
+        may still be loading: the request stays ``LOADING`` until ``load_finished``."""
+        if self.phase is Phase.LOADING:
+            self.load_error = True
