@@ -31,13 +31,22 @@ class Quarantine:
         self.clock = clock
 
     def move(
-        self, dir_fd: int, ns: str, sha1: str, why: str, inode: int | None, dev: int | None = None
+        self,
+        dir_fd: int,
+        ns: str,
+        sha1: str,
+        why: str,
+        inode: int | None,
+        dev: int | None = None,
+        *,
+        source: str | None = None,
     ) -> bool:
         """Move ``<sha1>.kv`` out of ``dir_fd``; True if it was moved. Only a regular file,
         and only if it is still ``inode`` on ``dev``, when given. The caller holds the
         directory lock (writers rename under it, so the name cannot change between this
-        check and the rename) and the descriptor it read (so the inode cannot be reused)."""
-        name = f"{sha1}.kv"
+        check and the rename) and the descriptor it read (so the inode cannot be reused).
+        ``source``: the file is a temp file of the caller's (a download) by that name."""
+        name = source or f"{sha1}.kv"
         try:
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except OSError:
