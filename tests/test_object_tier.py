@@ -61,7 +61,9 @@ def test_upload_then_fetch_into_an_empty_directory(aws, tmp_path):
         tier_a.saved(ns, plan.sha1)
     assert tier_a.drain(30)
     assert tier_a.take_counts()["uploaded"] == 2
-    keys = {o["Key"] for o in client.list_objects_v2(Bucket=aws.bucket, Prefix=url.prefix)["Contents"]}
+    keys = {
+        o["Key"] for o in client.list_objects_v2(Bucket=aws.bucket, Prefix=url.prefix)["Contents"]
+    }
     assert {url.key(ns, root.sha1), url.key(ns, child.sha1)} <= keys
     assert tier_a.bucket.list_names(ns) == {root.sha1, child.sha1}  # the other key ignored
     tier_a.saved(ns, child.sha1)  # again: the object is never replaced

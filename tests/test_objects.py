@@ -23,8 +23,13 @@ def test_url_keys_and_foreign_objects():
     assert (url.bucket, url.prefix) == ("my-bucket", "fleet/a")
     assert url.key("00ff", SHA) == f"fleet/a/00ff/{SHA}.kv"
     assert url.name_of("00ff", url.key("00ff", SHA)) == SHA
-    for other in (f"fleet/a/00ff/{SHA}.kv.tmp", "fleet/a/00ff/namespace.json",
-                  f"fleet/a/00fe/{SHA}.kv", f"fleet/a/00ff/x/{SHA}.kv", "README"):
+    for other in (
+        f"fleet/a/00ff/{SHA}.kv.tmp",
+        "fleet/a/00ff/namespace.json",
+        f"fleet/a/00fe/{SHA}.kv",
+        f"fleet/a/00ff/x/{SHA}.kv",
+        "README",
+    ):
         assert url.name_of("00ff", other) is None
     assert ObjectUrl.parse("s3://my-bucket").key("n", SHA) == f"n/{SHA}.kv"
     for bad in ("my-bucket/x", "s3://B/x", "s3://ab/x", "s3://my-bucket/a/../b", "gs://b/x"):

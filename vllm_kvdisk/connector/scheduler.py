@@ -38,6 +38,7 @@ from vllm_kvdisk.core.index import Lookup, Miss
 from vllm_kvdisk.core.keys import Fingerprint, Namespaces, as_token_array, salt_digest
 from vllm_kvdisk.core.lifecycle import RequestState
 from vllm_kvdisk.core.logs import get_logger
+from vllm_kvdisk.core.objects import prefix_names
 from vllm_kvdisk.core.planner import Planner, trim_to_states, trim_to_windows
 from vllm_kvdisk.core.policy import LoadCostModel
 from vllm_kvdisk.core.saverules import Grid, SaveRules
@@ -46,11 +47,13 @@ from vllm_kvdisk.ops.diagnose import Diagnostics, LookupReport
 from vllm_kvdisk.ops.metrics import KVDiskStats, snapshot
 from vllm_kvdisk.ops.recorder import StatsRecorder
 from vllm_kvdisk.ops.trace import Trace
+from vllm_kvdisk.storage.objecttier import Fetch, object_tier
 from vllm_kvdisk.storage.store import Store
 
 log = get_logger(__name__)
 
 REFRESH_INTERVAL_S = 2.0
+SHUTDOWN_UPLOAD_S = 5.0
 
 
 class SchedulerSide:
@@ -92,6 +95,9 @@ class SchedulerSide:
         self.store = Store.from_config(config)
         started = time.monotonic()
         self.store.start()
+        self.objects = object_tier(config, self.store)  # the bucket behind the disk, if any
+        self._fetches: dict[str, Fetch] = {}  # requests waiting on a fetch from the bucket
+        self._fetched: dict[str, Fetch | None] = {}  # ... that had theirs (one per request)
         self.planner = Planner(
             self.store.index, block_size, self.store.read_ids, config.kv_cache_min_tokens
         )
@@ -180,6 +186,8 @@ class SchedulerSide:
         if not st.control.load:  # the request asked not to load: a miss, said as such
             st.memo, st.memo_key, st.memo_ids = Lookup(miss=Miss.SKIPPED), memo_key, None
             return 0, False
+        if request.request_id in self._fetches and not self._fetch_settled(st):
+            return None, False  # vLLM asks again next step; other requests go on
         if st.memo_key != memo_key:
             self._refresh(st.ns)
             ids = as_token_array(request.prompt_token_ids[:usable])
@@ -188,6 +196,8 @@ class SchedulerSide:
                 memo_key,
                 ids,
             )
+            if self._start_fetch(st, ids, usable):
+                return None, False
             st.declined = None
             self._trim(st, num_computed_tokens)
             if self.config.kv_disk_load_policy == "auto" and st.memo.tokens > num_computed_tokens:
@@ -197,6 +207,40 @@ class SchedulerSide:
         if hit <= num_computed_tokens:
             return 0, False
         return hit - num_computed_tokens, True
+
+    def _start_fetch(self, st: RequestState, ids: Any, usable: int) -> bool:
+        """Fetch from the object store what it holds of this prompt deeper than the disk
+        (once per request, on threads of the tier); True if the request waits for it."""
+        req_id = st.request.request_id
+        if self.objects is None or req_id in self._fetched:
+            return False
+        names = prefix_names(
+            self.table, ids, self.block_size, usable, first=self.config.kv_cache_min_tokens
+        )
+        ns = st.ns
+        index = self.store.index
+        job = self.objects.fetch(ns, names, st.memo.tokens, lambda s: index.get(ns, s) is not None)
+        self._fetched[req_id] = job
+        if job is None:
+            return False
+        self.store.ensure_namespace(
+            self.namespaces.fingerprint(st.scope.lora, st.scope.salt_digest)
+        )
+        self._fetches[req_id] = job
+        return True
+
+    def _fetch_settled(self, st: RequestState) -> bool:
+        """Whether the request's fetch ended (or its deadline passed: it goes on without);
+        then its lookup is made again, finding what the fetch put on disk."""
+        job = self._fetches[st.request.request_id]
+        if not job.settled(time.monotonic()):
+            return False
+        del self._fetches[st.request.request_id]
+        st.memo_key = None
+        self.trace.object_fetch(
+            len(job.installed), job.nbytes, time.monotonic() - job.started, job.reason
+        )
+        return True
 
     def _trim(self, st: RequestState, num_computed: int) -> None:
         """A hybrid model's hit needs the window before it in every window group, and a
@@ -273,7 +317,14 @@ class SchedulerSide:
             )
         self._loads.append(job)
         self.stats.add("tokens_looked_up", request.num_prompt_tokens)
-        self.report.hit(st.ns, lookup, ids, local, num_external_tokens, len(job.files))
+        fetched = self._fetched.get(request.request_id)
+        source = (
+            "object"
+            if fetched is not None
+            and not set(fetched.installed).isdisjoint(f.sha1 for f in job.files)
+            else ""
+        )
+        self.report.hit(st.ns, lookup, ids, local, num_external_tokens, len(job.files), source)
 
     # -- saves ------------------------------------------------------------------------
     def _block_ids(self, req_id: str) -> list[list[int]]:
@@ -348,6 +399,8 @@ class SchedulerSide:
         return self._finished(request, [list(ids) for ids in block_ids])
 
     def _finished(self, request: Any, group_ids: list[list[int]]) -> tuple[bool, dict | None]:
+        self._fetches.pop(request.request_id, None)
+        self._fetched.pop(request.request_id, None)
         st = self._reqs.pop(request.request_id, None)
         if st is None or not st.may_save:
             # A request aborted mid-load is released by its finished_recving, never here.
@@ -395,6 +448,8 @@ class SchedulerSide:
         for entry in report.written:
             index.add(entry)
             self.events.landed(entry.key)
+            if self.objects is not None:
+                self.objects.saved(entry.ns, entry.sha1)
         for ns, sha1 in report.failed_saves:
             index.release(ns, sha1)
             self.events.dropped((ns, sha1))
@@ -455,9 +510,18 @@ class SchedulerSide:
         if new_quarantines:
             self.stats.add("quarantined", new_quarantines)
             self._quarantined_seen = store.stats.quarantined
+        if self.objects is not None:
+            for outcome, n in self.objects.take_counts().items():
+                if outcome == "fetched_bytes":
+                    self.stats.add("object_bytes_fetched", n)
+                else:
+                    self.stats.count("objects", outcome, n)
         return snapshot(self.stats)
 
     def shutdown(self) -> None:
+        if self.objects is not None:
+            self.objects.drain(SHUTDOWN_UPLOAD_S)  # the last saves' uploads, briefly
+            self.objects.close()
         self.diagnostics.close()
         self.trace.close()
         self.store.close()

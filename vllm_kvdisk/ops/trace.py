@@ -259,6 +259,12 @@ class Trace:
             "will be recomputed)"
         )
 
+    def object_fetch(self, files: int, nbytes: int, seconds: float, why: str) -> None:
+        self.line(
+            f"object store fetch ({files} file(s), {nbytes} bytes, {seconds * 1e3:.0f} ms"
+            f"{'; stopped short: ' + why if why else ''})"
+        )
+
     def replay(self, summary: str) -> None:
         self.line(f"tool replay: {summary}")
 

@@ -37,9 +37,10 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from vllm_kvdisk.core.config import KVDiskConfig
 from vllm_kvdisk.core.format import FormatError, Summary, UnsupportedFile
 from vllm_kvdisk.core.logs import get_logger
-from vllm_kvdisk.core.objects import Listing, to_fetch
+from vllm_kvdisk.core.objects import Listing, ObjectUrl, to_fetch
 from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage.budget import SaveSkipped
 from vllm_kvdisk.storage.fileread import check_whole
@@ -51,6 +52,7 @@ log = get_logger(__name__)
 UPLOAD_QUEUE = 256  # saved files waiting for their upload; past it an upload is dropped
 FETCH_FILES = 4  # objects of one fetch downloaded at once (each in parallel ranges)
 PARENT_ROUNDS = 8  # parents named by downloaded files, fetched in at most this many rounds
+CALL_TIMEOUT_S = 10.0  # connect and read timeouts of one call to the store
 
 
 @dataclass(slots=True)
@@ -59,6 +61,7 @@ class Fetch:
 
     ns: str
     deadline: float
+    started: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
     installed: list[str] = field(default_factory=list)
     nbytes: int = 0
@@ -211,7 +214,8 @@ class ObjectTier:
             if not wanted:
                 self._list_in_background(ns)
                 return None
-        job = Fetch(ns, self.clock() + self.deadline_s)
+        now = self.clock()
+        job = Fetch(ns, now + self.deadline_s, now)
         self._jobs.submit(self._run, job, names, local_hit, is_local)
         return job
 
@@ -283,7 +287,8 @@ class ObjectTier:
             return None
         finally:
             os.close(fd)
-        job.nbytes += size
+        with self._lock:
+            job.nbytes += size
         return tmp, summary
 
     def _corrupt(self, ns: str, sha1: str, tmp: fsdir.TempFile, why: str) -> None:
@@ -313,3 +318,20 @@ class ObjectTier:
             self._count("fetched")
         if job.installed:
             self._count("fetched_bytes", job.nbytes)
+
+
+def object_tier(config: KVDiskConfig, store: Store) -> ObjectTier | None:
+    """The tier ``kv_object_url`` asks for (None without one); its client is made now, so
+    a missing boto3 is said at start, not at the first save."""
+    if not config.kv_object_url:
+        return None
+    url = ObjectUrl.parse(config.kv_object_url)
+    bucket = Bucket(url, timeout_s=min(float(config.kv_object_deadline_s), CALL_TIMEOUT_S))
+    try:
+        bucket.client  # noqa: B018 - made now for its error
+    except ImportError as exc:
+        raise RuntimeError(
+            f"kv_object_url needs boto3 (pip install 'vllm-kvdisk[object]'): {exc}"
+        ) from None
+    log.info("kvdisk: object tier s3://%s/%s", url.bucket, url.prefix)
+    return ObjectTier(store, bucket, deadline_s=config.kv_object_deadline_s)
