@@ -24,6 +24,24 @@ def aws(seaweed, monkeypatch):
     return seaweed
 
 
+class Counts:
+    """A stats recorder's two calls, into one dict."""
+
+    def __init__(self, tier):
+        self.seen = {}
+        tier.report_to(self)
+
+    def add(self, name, n):
+        self.seen[name] = self.seen.get(name, 0) + n
+
+    def count(self, name, label, n):
+        self.add(label, n)
+
+
+def counts(tier):
+    return Counts(tier).seen
+
+
 def tier_of(store, url, timeout_s=5.0, deadline_s=20.0):
     return ObjectTier(store, Bucket(url, timeout_s=timeout_s), deadline_s=deadline_s)
 
@@ -60,7 +78,7 @@ def test_upload_then_fetch_into_an_empty_directory(aws, tmp_path):
     for plan in (root, child):
         tier_a.saved(ns, plan.sha1)
     assert tier_a.drain(30)
-    assert tier_a.take_counts()["uploaded"] == 2
+    assert counts(tier_a)["uploaded"] == 2
     keys = {
         o["Key"] for o in client.list_objects_v2(Bucket=aws.bucket, Prefix=url.prefix)["Contents"]
     }
@@ -68,7 +86,7 @@ def test_upload_then_fetch_into_an_empty_directory(aws, tmp_path):
     assert tier_a.bucket.list_names(ns) == {root.sha1, child.sha1}  # the other key ignored
     tier_a.saved(ns, child.sha1)  # again: the object is never replaced
     assert tier_a.drain(30)
-    assert tier_a.take_counts()["upload_exists"] == 1
+    assert counts(tier_a)["upload_exists"] == 1
 
     b = Store(str(tmp_path / "b" / "cache"), space_bytes=1 << 30)
     b.ensure_namespace(FP)
@@ -103,7 +121,7 @@ def test_corrupt_object_is_quarantined_deleted_and_never_fetched_again(aws, tmp_
     job = fetch_into(b, tier_b, ns, p)
     assert job.installed == [root.sha1]
     assert "corrupt" in job.reason
-    assert tier_b.take_counts()["corrupt"] == 1
+    assert counts(tier_b)["corrupt"] == 1
     assert len(b.quarantined_files()) == 1
     assert planner(b).lookup(ns, p.ids, 150).tokens == 48  # the sound root serves
     assert tier_b.bucket.list_names(ns) == {root.sha1}  # deleted from the bucket
@@ -121,7 +139,7 @@ def test_store_down_is_a_miss_within_the_deadline(tmp_path, monkeypatch):
     tier = tier_of(a, ObjectUrl.parse("s3://kvdisk-test/x"), timeout_s=1.0, deadline_s=5.0)
     tier.saved(ns, child.sha1)
     assert tier.drain(30)
-    assert tier.take_counts()["upload_failed"] == 1
+    assert counts(tier)["upload_failed"] == 1
     started = time.monotonic()
     job = fetch_into(a, tier, ns, p, local_hit=0)
     assert job is not None and job.installed == []

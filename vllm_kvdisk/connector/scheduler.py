@@ -53,7 +53,6 @@ from vllm_kvdisk.storage.store import Store
 log = get_logger(__name__)
 
 REFRESH_INTERVAL_S = 2.0
-SHUTDOWN_UPLOAD_S = 5.0
 
 
 class SchedulerSide:
@@ -95,7 +94,8 @@ class SchedulerSide:
         self.store = Store.from_config(config)
         started = time.monotonic()
         self.store.start()
-        self.objects = object_tier(config, self.store)  # the bucket behind the disk, if any
+        # The bucket behind the disk, if any: fetches here, uploads by the worker that saved.
+        self.objects = object_tier(config, self.store)
         self._fetches: dict[str, Fetch] = {}  # requests waiting on a fetch from the bucket
         self._fetched: dict[str, Fetch | None] = {}  # ... that had theirs (one per request)
         self.planner = Planner(
@@ -448,8 +448,6 @@ class SchedulerSide:
         for entry in report.written:
             index.add(entry)
             self.events.landed(entry.key)
-            if self.objects is not None:
-                self.objects.saved(entry.ns, entry.sha1)
         for ns, sha1 in report.failed_saves:
             index.release(ns, sha1)
             self.events.dropped((ns, sha1))
@@ -511,16 +509,11 @@ class SchedulerSide:
             self.stats.add("quarantined", new_quarantines)
             self._quarantined_seen = store.stats.quarantined
         if self.objects is not None:
-            for outcome, n in self.objects.take_counts().items():
-                if outcome == "fetched_bytes":
-                    self.stats.add("object_bytes_fetched", n)
-                else:
-                    self.stats.count("objects", outcome, n)
+            self.objects.report_to(self.stats)
         return snapshot(self.stats)
 
     def shutdown(self) -> None:
         if self.objects is not None:
-            self.objects.drain(SHUTDOWN_UPLOAD_S)  # the last saves' uploads, briefly
             self.objects.close()
         self.diagnostics.close()
         self.trace.close()

@@ -38,7 +38,7 @@ CHECK_EVERY_S = 1.0
 @dataclass(frozen=True, slots=True)
 class TraceEvent:
     """One parsed trace line. ``kind``: miss, hit, loaded, device_hit, probe, saved,
-    save_failed, save_skipped, evicted, quarantined, load_failed, replay."""
+    save_failed, save_skipped, evicted, quarantined, load_failed, replay, object_fetch."""
 
     kind: str
     sha1: str = ""
@@ -89,6 +89,13 @@ _PATTERNS: list[tuple[str, re.Pattern[str]]] = [
     ("evicted", re.compile(rf"^evicted {_SHA} tokens=(?P<tokens>\d+) bytes=(?P<bytes>\d+)$")),
     ("quarantined", re.compile(rf"^quarantined {_SHA} \((?P<detail>.*)\)$")),
     ("replay", re.compile(r"^tool replay: (?P<detail>.*)$")),
+    (
+        "object_fetch",
+        re.compile(
+            r"^object store fetch \((?P<files>\d+) file\(s\), (?P<bytes>\d+) bytes, "
+            r"(?P<ms>[\d.]+) ms(?:; stopped short: (?P<detail>.*))?\)$"
+        ),
+    ),
 ]
 
 

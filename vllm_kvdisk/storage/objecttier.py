@@ -36,6 +36,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_kvdisk.core.config import KVDiskConfig
 from vllm_kvdisk.core.format import FormatError, Summary, UnsupportedFile
@@ -102,6 +103,8 @@ class ObjectTier:
         self._uploader.start()
 
     def close(self, timeout_s: float = 5.0) -> None:
+        """Stop, after the uploads queued so far or ``timeout_s``."""
+        self.drain(timeout_s)
         with contextlib.suppress(queue.Full):
             self._uploads.put_nowait(None)
         self._uploader.join(timeout_s)
@@ -113,10 +116,16 @@ class ObjectTier:
         with self._lock:
             self.counts[outcome] += n
 
-    def take_counts(self) -> Counter[str]:
+    def report_to(self, stats: Any) -> None:
+        """Move the counts since the last report into a stats recorder (``ops.recorder``):
+        ``vllm:kvdisk_object_files_total{outcome}`` and the bytes fetched."""
         with self._lock:
             counts, self.counts = self.counts, Counter()
-        return counts
+        for outcome, n in counts.items():
+            if outcome == "fetched_bytes":
+                stats.add("object_bytes_fetched", n)
+            else:
+                stats.count("objects", outcome, n)
 
     # -- uploads ------------------------------------------------------------------------
     def saved(self, ns: str, sha1: str) -> None:
