@@ -33,7 +33,7 @@ def test_empty_disk_restores_from_the_object_store(tiny_model, seaweed, tmp_path
     with engine(tiny_model, kv["a"], kv_object_url=url, trace=trace["a"]) as llm:
         cold, cached = generate(llm, prompt, max_tokens=16)
         assert cached == 0
-        wait_until("A's checkpoints saved", lambda: len(kv_files(kv["a"])) >= 2)
+        wait_until("A's checkpoint saved", lambda: len(kv_files(kv["a"])) >= 1)
         (ns,) = {os.path.basename(os.path.dirname(p)) for p in kv_files(kv["a"])}
 
         def uploaded() -> bool:
@@ -51,7 +51,7 @@ def test_empty_disk_restores_from_the_object_store(tiny_model, seaweed, tmp_path
     hits = events(trace["b"], "hit")
     assert any("source=object" in e.detail for e in hits), hits
     (fetch,) = events(trace["b"], "object_fetch")
-    assert fetch.files >= 2 and fetch.detail == ""
+    assert fetch.files >= 1 and fetch.detail == ""
     assert {os.path.basename(p)[:-3] for p in kv_files(kv["b"])} <= names
 
     # C: the deepest object corrupted in the bucket: caught, quarantined, deleted, and
