@@ -8,7 +8,7 @@ import uuid
 
 import numpy as np
 import pytest
-from synth import BLOCK, FP, byte_table, make, planner, prompt, save
+from synth import BLOCK, FP, byte_table, make, planner, prompt, prompt_of, save
 
 from vllm_kvdisk.core.objects import ObjectUrl, prefix_names
 from vllm_kvdisk.storage.objectstore import Bucket
@@ -168,3 +168,31 @@ def test_store_hanging_is_a_miss_at_the_deadline(aws, tmp_path):
         aws.resume()
     assert os.path.isdir(b.root)
     tier_b.close()
+
+
+def test_a_parent_inside_another_conversation_is_fetched_by_its_name(aws, tmp_path):
+    """B's file is a delta on a file of A's conversation (they share 32 tokens): its name
+    is not a prefix of B's prompt, the child's header names it, and the fetch follows."""
+    url = url_of(aws)
+    a, ns = make(tmp_path / "a")
+    rng = np.random.default_rng(2)
+    first = prompt(5)
+    ids = first.ids.copy()
+    ids[32:] = prompt(6).ids[32:]
+    second = prompt_of(ids)
+    root, _ = save(a, ns, first, 48, rng)
+    child, _ = save(a, ns, second, 112, rng)
+    assert child.parent == root.sha1 and child.parent_tokens == 32
+    tier_a = tier_of(a, url)
+    for plan in (root, child):
+        tier_a.saved(ns, plan.sha1)
+    assert tier_a.drain(30)
+    b = Store(str(tmp_path / "b" / "cache"), space_bytes=1 << 30)
+    b.ensure_namespace(FP)
+    tier_b = tier_of(b, url)
+    job = fetch_into(b, tier_b, ns, second)
+    assert sorted(job.installed) == sorted([root.sha1, child.sha1]) and not job.reason
+    assert planner(b).lookup(ns, second.ids, 150).tokens == 112
+    assert verify(b).ok
+    for t in (tier_a, tier_b):
+        t.close()
