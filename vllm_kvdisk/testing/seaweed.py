@@ -94,7 +94,8 @@ class SeaweedS3:
             "-s3",
             f"-s3.port={p[6]}",
             f"-s3.port.grpc={p[7]}",
-            "-s3.port.iceberg=0",
+            "-s3.port.iceberg=0",  # fixed default ports: two servers at once would collide
+            "-s3.port.lance=0",
             "-master.volumeSizeLimitMB=64",
             "-volume.max=16",
             "-volume.preStopSeconds=0",
