@@ -62,7 +62,7 @@ def two_files(tmp_path, tier=None):
 
 
 def fetch_into(store, tier, ns, p, usable=150, local_hit=0):
-    names = prefix_names(byte_table(), p.ids, BLOCK, usable)
+    names = lambda: prefix_names(byte_table(), p.ids, BLOCK, usable)  # noqa: E731
     job = tier.fetch(ns, names, local_hit, lambda s: store.index.get(ns, s) is not None)
     if job is not None:
         assert job.done.wait(30)
@@ -154,7 +154,7 @@ def test_store_hanging_is_a_miss_at_the_deadline(aws, tmp_path):
     b = Store(str(tmp_path / "b" / "cache"), space_bytes=1 << 30)
     b.ensure_namespace(FP)
     tier_b = tier_of(b, url, timeout_s=30.0, deadline_s=2.0)
-    names = prefix_names(byte_table(), p.ids, BLOCK, 150)
+    names = lambda: prefix_names(byte_table(), p.ids, BLOCK, 150)  # noqa: E731
     aws.pause()
     try:
         started = time.monotonic()

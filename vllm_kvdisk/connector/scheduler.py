@@ -214,9 +214,10 @@ class SchedulerSide:
         req_id = st.request.request_id
         if self.objects is None or req_id in self._fetched:
             return False
-        names = prefix_names(
-            self.table, ids, self.block_size, usable, first=self.config.kv_cache_min_tokens
-        )
+        if st.memo.tokens >= usable - usable % self.block_size:
+            return False  # nothing deeper could exist anywhere
+        table, block, first = self.table, self.block_size, self.config.kv_cache_min_tokens
+        names = lambda: prefix_names(table, ids, block, usable, first=first)  # noqa: E731
         ns = st.ns
         index = self.store.index
         job = self.objects.fetch(ns, names, st.memo.tokens, lambda s: index.get(ns, s) is not None)

@@ -210,28 +210,33 @@ class ObjectTier:
     def fetch(
         self,
         ns: str,
-        names: list[tuple[int, str]],
+        names: Callable[[], list[tuple[int, str]]],
         local_hit: int,
         is_local: Callable[[str], bool],
     ) -> Fetch | None:
         """Start fetching what the bucket holds of the prompt deeper than ``local_hit``
-        (``names``: its prefixes' names, shallowest first), or None if it holds nothing
-        more as far as this replica knows (a listing may then start in the background)."""
+        (``names()``: its prefixes' names, shallowest first, computed only where the
+        bucket holds something of ``ns``; on the fetch's thread before the first listing),
+        or None if it holds nothing more as far as this replica knows (a listing may then
+        start in the background)."""
         remote = self._remote(ns)
+        found = None
         if remote is not None:
-            wanted = to_fetch(names, remote, is_local, local_hit)
-            if not wanted:
+            found = names() if remote else []
+            if not to_fetch(found, remote, is_local, local_hit):
                 self._list_in_background(ns)
                 return None
         now = self.clock()
         job = Fetch(ns, now + self.deadline_s, now)
-        self._jobs.submit(self._run, job, names, local_hit, is_local)
+        self._jobs.submit(
+            self._run, job, found if found is not None else names, local_hit, is_local
+        )
         return job
 
     def _run(
         self,
         job: Fetch,
-        names: list[tuple[int, str]],
+        names: list[tuple[int, str]] | Callable[[], list[tuple[int, str]]],
         local_hit: int,
         is_local: Callable[[str], bool],
     ) -> None:
@@ -241,15 +246,16 @@ class ObjectTier:
             if remote is None:
                 self._list(ns)
                 remote = self._remote(ns) or set()
-            wanted = [sha1 for _, sha1 in to_fetch(names, remote, is_local, local_hit)]
+            found = names() if callable(names) else names
+            wanted = [sha1 for _, sha1 in to_fetch(found, remote, is_local, local_hit)]
             with contextlib.ExitStack() as stack:
                 got: dict[str, tuple[fsdir.TempFile, Summary]] = {}
                 for _ in range(PARENT_ROUNDS):
                     if not wanted or self.clock() >= job.deadline:
                         break
-                    for sha1, found in zip(wanted, self._download_all(stack, job, wanted)):
-                        if found is not None:
-                            got[sha1] = found
+                    for sha1, one in zip(wanted, self._download_all(stack, job, wanted)):
+                        if one is not None:
+                            got[sha1] = one
                     wanted = [
                         p
                         for _, s in got.values()
