@@ -28,6 +28,7 @@ from vllm_kvdisk.connector.events import DiskEvents
 from vllm_kvdisk.connector.groupblocks import GroupBlocks
 from vllm_kvdisk.connector.guard import guarded
 from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, Scope, StepMeta, WorkerReport
+from vllm_kvdisk.connector.objectfetch import ObjectFetches
 from vllm_kvdisk.connector.saveplans import SavePlanning
 from vllm_kvdisk.connector.signals import on_stop_signal
 from vllm_kvdisk.connector.statehandoffs import StateHandoffs
@@ -38,7 +39,6 @@ from vllm_kvdisk.core.index import Lookup, Miss
 from vllm_kvdisk.core.keys import Fingerprint, Namespaces, as_token_array, salt_digest
 from vllm_kvdisk.core.lifecycle import RequestState
 from vllm_kvdisk.core.logs import get_logger
-from vllm_kvdisk.core.objects import prefix_names
 from vllm_kvdisk.core.planner import Planner, trim_to_states, trim_to_windows
 from vllm_kvdisk.core.policy import LoadCostModel
 from vllm_kvdisk.core.saverules import Grid, SaveRules
@@ -47,7 +47,7 @@ from vllm_kvdisk.ops.diagnose import Diagnostics, LookupReport
 from vllm_kvdisk.ops.metrics import KVDiskStats, snapshot
 from vllm_kvdisk.ops.recorder import StatsRecorder
 from vllm_kvdisk.ops.trace import Trace
-from vllm_kvdisk.storage.objecttier import Fetch, object_tier
+from vllm_kvdisk.storage.objecttier import object_tier
 from vllm_kvdisk.storage.store import Store
 
 log = get_logger(__name__)
@@ -96,12 +96,22 @@ class SchedulerSide:
         self.store.start()
         # The bucket behind the disk, if any: fetches here, uploads by the worker that saved.
         self.objects = object_tier(config, self.store)
-        self._fetches: dict[str, Fetch] = {}  # requests waiting on a fetch from the bucket
-        self._fetched: dict[str, Fetch | None] = {}  # ... that had theirs (one per request)
         self.planner = Planner(
             self.store.index, block_size, self.store.read_ids, config.kv_cache_min_tokens
         )
         self.trace = Trace.from_config(config)
+        self.fetches = (
+            None
+            if self.objects is None
+            else ObjectFetches(
+                self.objects,
+                self.store.index,
+                table,
+                block_size,
+                config.kv_cache_min_tokens,
+                self.trace,
+            )
+        )
         self.diagnostics = Diagnostics()
         self.report = LookupReport(self.store, table, self.stats, self.trace, self.diagnostics)
         self.cost = LoadCostModel()
@@ -186,7 +196,8 @@ class SchedulerSide:
         if not st.control.load:  # the request asked not to load: a miss, said as such
             st.memo, st.memo_key, st.memo_ids = Lookup(miss=Miss.SKIPPED), memo_key, None
             return 0, False
-        if request.request_id in self._fetches and not self._fetch_settled(st):
+        if self.fetches is not None and self.fetches.waiting(request.request_id):
+            st.memo_key = None  # looked up again once the fetch ended
             return None, False  # vLLM asks again next step; other requests go on
         if st.memo_key != memo_key:
             self._refresh(st.ns)
@@ -196,7 +207,17 @@ class SchedulerSide:
                 memo_key,
                 ids,
             )
-            if self._start_fetch(st, ids, usable):
+            if self.fetches is not None and self.fetches.start(
+                request.request_id,
+                st.ns,
+                ids,
+                usable,
+                st.memo.tokens,
+                lambda: self.store.ensure_namespace(
+                    self.namespaces.fingerprint(st.scope.lora, st.scope.salt_digest)
+                ),
+            ):
+                st.memo_key = None
                 return None, False
             st.declined = None
             self._trim(st, num_computed_tokens)
@@ -207,41 +228,6 @@ class SchedulerSide:
         if hit <= num_computed_tokens:
             return 0, False
         return hit - num_computed_tokens, True
-
-    def _start_fetch(self, st: RequestState, ids: Any, usable: int) -> bool:
-        """Fetch from the object store what it holds of this prompt deeper than the disk
-        (once per request, on threads of the tier); True if the request waits for it."""
-        req_id = st.request.request_id
-        if self.objects is None or req_id in self._fetched:
-            return False
-        if st.memo.tokens >= usable - usable % self.block_size:
-            return False  # nothing deeper could exist anywhere
-        table, block, first = self.table, self.block_size, self.config.kv_cache_min_tokens
-        names = lambda: prefix_names(table, ids, block, usable, first=first)  # noqa: E731
-        ns = st.ns
-        index = self.store.index
-        job = self.objects.fetch(ns, names, st.memo.tokens, lambda s: index.get(ns, s) is not None)
-        self._fetched[req_id] = job
-        if job is None:
-            return False
-        self.store.ensure_namespace(
-            self.namespaces.fingerprint(st.scope.lora, st.scope.salt_digest)
-        )
-        self._fetches[req_id] = job
-        return True
-
-    def _fetch_settled(self, st: RequestState) -> bool:
-        """Whether the request's fetch ended (or its deadline passed: it goes on without);
-        then its lookup is made again, finding what the fetch put on disk."""
-        job = self._fetches[st.request.request_id]
-        if not job.settled(time.monotonic()):
-            return False
-        del self._fetches[st.request.request_id]
-        st.memo_key = None
-        self.trace.object_fetch(
-            len(job.installed), job.nbytes, time.monotonic() - job.started, job.reason
-        )
-        return True
 
     def _trim(self, st: RequestState, num_computed: int) -> None:
         """A hybrid model's hit needs the window before it in every window group, and a
@@ -318,11 +304,9 @@ class SchedulerSide:
             )
         self._loads.append(job)
         self.stats.add("tokens_looked_up", request.num_prompt_tokens)
-        fetched = self._fetched.get(request.request_id)
         source = (
-            "object"
-            if fetched is not None
-            and not set(fetched.installed).isdisjoint(f.sha1 for f in job.files)
+            self.fetches.source(request.request_id, (f.sha1 for f in job.files))
+            if self.fetches is not None
             else ""
         )
         self.report.hit(st.ns, lookup, ids, local, num_external_tokens, len(job.files), source)
@@ -400,8 +384,8 @@ class SchedulerSide:
         return self._finished(request, [list(ids) for ids in block_ids])
 
     def _finished(self, request: Any, group_ids: list[list[int]]) -> tuple[bool, dict | None]:
-        self._fetches.pop(request.request_id, None)
-        self._fetched.pop(request.request_id, None)
+        if self.fetches is not None:
+            self.fetches.finished(request.request_id)
         st = self._reqs.pop(request.request_id, None)
         if st is None or not st.may_save:
             # A request aborted mid-load is released by its finished_recving, never here.
