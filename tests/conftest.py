@@ -111,3 +111,18 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_sep("-", "largest modules (lines)")
     for lines, name in sizes[:8]:
         terminalreporter.write_line(f"{lines:5d}  {name}")
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory):
+    """A real S3 server (SeaweedFS's ``weed server -s3``) with a bucket, for the session;
+    where it cannot start, each test using it fails with the reason, never skips."""
+    from vllm_kvdisk.testing.seaweed import SeaweedS3
+
+    server = SeaweedS3(str(tmp_path_factory.mktemp("seaweed")))
+    try:
+        server.start()
+    except RuntimeError as exc:
+        pytest.fail(f"no S3 server for this test: {exc}", pytrace=False)
+    yield server
+    server.stop()

@@ -100,3 +100,12 @@ def test_the_readme_table_is_the_one_derived_from_the_config():
     assert markdown_table() in readme
     for name in FIELDS:
         assert f"`{flag_of(name)}" in markdown_table() and f"`{env_of(name)}`" in markdown_table()
+
+
+def test_object_url_is_checked_at_load():
+    cfg = load_config({"kv_disk_dir": "/tmp/x", "kv_object_url": "s3://my-bucket/fleet"})
+    assert cfg.kv_object_url == "s3://my-bucket/fleet" and cfg.kv_object_deadline_s == 10
+    env = load_config({"kv_disk_dir": "/tmp/x"}, {"KVDISK_OBJECT_URL": "s3://my-bucket"})
+    assert env.kv_object_url == "s3://my-bucket"
+    with pytest.raises(ConfigError, match="kv_object_url"):
+        load_config({"kv_disk_dir": "/tmp/x", "kv_object_url": "https://my-bucket/x"})

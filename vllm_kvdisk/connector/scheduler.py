@@ -32,6 +32,7 @@ from vllm_kvdisk.connector.events import DiskEvents
 from vllm_kvdisk.connector.groupblocks import GroupBlocks
 from vllm_kvdisk.connector.guard import guarded
 from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, Scope, StepMeta, WorkerReport
+from vllm_kvdisk.connector.objectfetch import ObjectFetches
 from vllm_kvdisk.connector.saveplans import SavePlanning
 from vllm_kvdisk.connector.signals import on_stop_signal
 from vllm_kvdisk.connector.statehandoffs import StateHandoffs
@@ -51,6 +52,7 @@ from vllm_kvdisk.ops.diagnose import Diagnostics, LookupReport
 from vllm_kvdisk.ops.metrics import KVDiskStats, snapshot
 from vllm_kvdisk.ops.recorder import StatsRecorder
 from vllm_kvdisk.ops.trace import Trace
+from vllm_kvdisk.storage.objecttier import object_tier
 from vllm_kvdisk.storage.store import Store
 
 log = get_logger(__name__)
@@ -100,8 +102,22 @@ class SchedulerSide:
         )
         started = time.monotonic()
         self.store.start()
+        # The bucket behind the disk, if any: fetches here, uploads by the worker that saved.
+        self.objects = object_tier(config, self.store)
         self.planner = Planner(
             self.store.index, block_size, self.store.read_ids, config.kv_cache_min_tokens
+        )
+        self.fetches = (
+            None
+            if self.objects is None
+            else ObjectFetches(
+                self.objects,
+                self.store.index,
+                table,
+                block_size,
+                config.kv_cache_min_tokens,
+                self.trace,
+            )
         )
         self.diagnostics = Diagnostics()
         self.report = LookupReport(self.store, table, self.stats, self.trace, self.diagnostics)
@@ -191,6 +207,9 @@ class SchedulerSide:
         if not st.control.load:  # the request asked not to load: a miss, said as such
             st.memo, st.memo_key, st.memo_ids = Lookup(miss=Miss.SKIPPED), memo_key, None
             return 0, False
+        if self.fetches is not None and self.fetches.waiting(request.request_id):
+            st.memo_key = None  # looked up again once the fetch ended
+            return None, False  # vLLM asks again next step; other requests go on
         if st.memo_key != memo_key:
             self._refresh(st.ns)
             ids = as_token_array(request.prompt_token_ids[:usable])
@@ -201,6 +220,18 @@ class SchedulerSide:
                 memo_key,
                 ids,
             )
+            if self.fetches is not None and self.fetches.start(
+                request.request_id,
+                st.ns,
+                ids,
+                usable,
+                st.memo.tokens,
+                lambda: self.store.ensure_namespace(
+                    self.namespaces.fingerprint(st.scope.lora, st.scope.salt_digest)
+                ),
+            ):
+                st.memo_key = None
+                return None, False
             st.declined = None
             self._trim(st, num_computed_tokens)
             if self.config.kv_disk_load_policy == "auto" and st.memo.tokens > num_computed_tokens:
@@ -296,7 +327,12 @@ class SchedulerSide:
             )
         self._loads.append(job)
         self.stats.add("tokens_looked_up", request.num_prompt_tokens)
-        self.report.hit(st.ns, lookup, ids, local, num_external_tokens, len(job.files))
+        source = (
+            self.fetches.source(request.request_id, (f.sha1 for f in job.files))
+            if self.fetches is not None
+            else ""
+        )
+        self.report.hit(st.ns, lookup, ids, local, num_external_tokens, len(job.files), source)
 
     # -- saves ------------------------------------------------------------------------
     def _block_ids(self, req_id: str) -> list[list[int]]:
@@ -411,6 +447,8 @@ class SchedulerSide:
         Nothing below the planning can raise: whatever this answers, every job of the
         request still queued is covered by it (vLLM frees the blocks at once on False)."""
         req_id = request.request_id
+        if self.fetches is not None:
+            self.fetches.finished(req_id)
         st = self._reqs.pop(req_id, None)
         if st is None or not st.may_save:
             # A request aborted mid-load is released by its finished_recving, never here.
@@ -532,9 +570,13 @@ class SchedulerSide:
         if new_quarantines:
             self.stats.add("quarantined", new_quarantines)
             self._quarantined_seen = store.stats.quarantined
+        if self.objects is not None:
+            self.objects.report_to(self.stats)
         return snapshot(self.stats)
 
     def shutdown(self) -> None:
+        if self.objects is not None:
+            self.objects.close()
         self.diagnostics.close()
         self.trace.close()
         self.store.close()

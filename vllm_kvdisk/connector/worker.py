@@ -48,9 +48,12 @@ from vllm_kvdisk.ops.metrics import KVDiskStats, snapshot
 from vllm_kvdisk.ops.recorder import StatsRecorder
 from vllm_kvdisk.ops.trace import Trace
 from vllm_kvdisk.storage.budget import SaveSkipped
+from vllm_kvdisk.storage.objecttier import object_tier
 from vllm_kvdisk.storage.store import Store
 
 log = get_logger(__name__)
+
+UPLOAD_AT_SHUTDOWN_S = 5.0  # how long a stopping worker lets its queued uploads finish
 
 
 class WorkerSide:
@@ -79,6 +82,7 @@ class WorkerSide:
         self.block_size = block_size
         self.trace = Trace.from_config(config)
         self.store = Store.from_config(config, on_evict=self._on_evict, on_drop=self._on_drop)
+        self.objects = object_tier(config, self.store)  # uploads what this rank saves
         # Loads never wait behind a save's write or fsync: each has its own threads. One
         # copy thread takes page copies off the engine step, in order. Their CPUs: threads.
         self._cpus = CpuPlan()  # known once vLLM bound this process (register_kv_caches)
@@ -407,6 +411,8 @@ class WorkerSide:
             return False
         with self._lock:
             self._report.written.append(entry)
+        if self.objects is not None:
+            self.objects.saved(ns, plan.sha1)  # write-behind: queued, never waited for
         seconds = time.perf_counter() - t0
         self.stats.observe("save_seconds", seconds)
         self.stats.count("saves", plan.reason.name.lower())
@@ -460,12 +466,16 @@ class WorkerSide:
     def get_kv_connector_stats(self) -> KVDiskStats | None:
         self.stats.set("pending_writes", len(self._inflight))
         self.stats.set("staging_peak_bytes", self.staging_peak)
+        if self.objects is not None:
+            self.objects.report_to(self.stats)
         return snapshot(self.stats)
 
     def shutdown(self) -> None:
         """Flush: every save already handed over is copied and written before we return."""
         self._copier.shutdown(wait=True)
         self.pool.shutdown(wait=True)
+        if self.objects is not None:
+            self.objects.close(UPLOAD_AT_SHUTDOWN_S)  # the last saves' uploads, briefly
         self.loads.shutdown()
         self.trace.close()
         self.store.close()

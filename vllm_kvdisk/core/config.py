@@ -183,6 +183,20 @@ class KVDiskConfig:
         "accept a cache directory writable by its group/everyone or owned by another "
         "user (anyone who can write there can plant checkpoints)",
     )
+    kv_object_url: str | None = knob(
+        None,
+        "s3://BUCKET/PREFIX: a second tier behind the directory, shared by replicas without a "
+        "shared volume (saves are uploaded behind the engine's back; a lookup the disk cannot "
+        "serve fetches the chain from there); endpoint and credentials from the AWS variables "
+        "(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...); needs the object extra (boto3)",
+    )
+    kv_object_deadline_s: int = knob(
+        10,
+        "longest a request waits for a fetch from the object store (listing, downloads, "
+        "checks) before it is answered without it",
+        minimum=1,
+        unit="s",
+    )
 
     @property
     def space_bytes(self) -> int:
@@ -277,6 +291,13 @@ def load_config(
         )
     kwargs = {name: _coerce(name, value) for name, value in merged.items()}
     kwargs["kv_disk_dir"] = os.path.abspath(os.path.expanduser(kwargs["kv_disk_dir"]))
+    if kwargs.get("kv_object_url"):
+        from vllm_kvdisk.core.objects import ObjectUrl
+
+        try:
+            ObjectUrl.parse(kwargs["kv_object_url"])
+        except ValueError as exc:
+            raise ConfigError(f"kv_object_url: {exc}") from None
     config = KVDiskConfig(**kwargs)
     if config.kv_disk_namespace_share_pct > 100:
         raise ConfigError(

@@ -136,12 +136,23 @@ class LookupReport:
         self.trace, self.diagnostics = trace, diagnostics
 
     def hit(
-        self, ns: str, lookup: Lookup, ids: np.ndarray, local: int, loaded: int, files: int
+        self,
+        ns: str,
+        lookup: Lookup,
+        ids: np.ndarray,
+        local: int,
+        loaded: int,
+        files: int,
+        source: str = "",
     ) -> None:
-        self.stats.count("lookups", "hit:")
+        """``source``: ``object`` when files of the chain were fetched from the object
+        store for this request (the hit's reason label, and the trace line says so)."""
+        self.stats.count("lookups", f"hit:{source}")
         if not self.trace.enabled:
             return
         last, words = lookup.segments[-1].entry.sha1, describe_hit(lookup, local)
+        if source:
+            words += f"; source={source}"
 
         def trace_hit() -> None:
             detail = words

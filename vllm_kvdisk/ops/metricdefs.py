@@ -16,8 +16,22 @@ COUNTERS = (
     "save_failures",
     "evictions",
     "quarantined",
+    "object_bytes_fetched",
 )  # deltas
-LABELLED = ("lookups", "saves", "saves_skipped", "errors")  # label value -> delta
+LABELLED = ("lookups", "saves", "saves_skipped", "errors", "objects")  # label value -> delta
+# The outcomes of vllm:kvdisk_object_files_total (storage/objecttier.py counts them).
+OBJECT_OUTCOMES = (
+    "uploaded",
+    "upload_exists",
+    "upload_dropped",
+    "upload_gone",
+    "upload_failed",
+    "fetched",
+    "fetch_skipped",
+    "fetch_failed",
+    "corrupt",
+    "list_failed",
+)
 SERIES = ("load_seconds", "save_seconds")  # observations
 GAUGES = (
     "disk_bytes",
@@ -64,7 +78,8 @@ METRICS = (
         "lookups",
         "counter",
         ("result", "reason"),
-        "Disk cache lookups by result (hit, device_hit, miss) and miss reason.",
+        "Disk cache lookups by result (hit, device_hit, miss) and miss reason; a hit whose "
+        "files were fetched from the object store for it has reason object.",
         "lookups",
     ),
     (
@@ -106,6 +121,22 @@ METRICS = (
         ("hook",),
         "Exceptions a connector hook caught (the request was served without the cache).",
         "errors",
+    ),
+    (
+        "object_files",
+        "counter",
+        ("outcome",),
+        "Files moved between the disk and the object store (--kv-object-url), by outcome: "
+        "uploaded, upload_exists, upload_dropped (queue full), upload_gone, upload_failed, "
+        "fetched, fetch_skipped, fetch_failed, corrupt, list_failed.",
+        "objects",
+    ),
+    (
+        "object_bytes_fetched",
+        "counter",
+        (),
+        "Bytes of checkpoint files fetched from the object store into the directory.",
+        "object_bytes_fetched",
     ),
     ("bytes_written", "counter", (), "Bytes of checkpoint files written.", "bytes_written"),
     ("bytes_read", "counter", (), "Bytes of checkpoint files read for restores.", "bytes_read"),

@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm_kvdisk.core.format import Reason
 from vllm_kvdisk.core.index import Miss
 from vllm_kvdisk.ops import recorder
-from vllm_kvdisk.ops.metricdefs import HOOKS, LATENCY_BUCKETS, METRICS
+from vllm_kvdisk.ops.metricdefs import HOOKS, LATENCY_BUCKETS, METRICS, OBJECT_OUTCOMES
 from vllm_kvdisk.storage.budget import SKIP_REASONS
 
 # Lookup outcomes without a reason; a miss carries its ``Miss`` label as the reason.
@@ -31,10 +31,13 @@ def known_labels() -> dict[str, list[tuple[str, ...]]]:
     exported at 0 from the start: Prometheus' convention, so a panel or ``rate()`` over a
     short window after a restart shows 0 rather than "No data"."""
     return {
-        "lookups": [(r, "") for r in LOOKUP_RESULTS] + [("miss", m.label) for m in Miss],
+        "lookups": [(r, "") for r in LOOKUP_RESULTS]
+        + [("hit", "object")]  # a hit whose files were fetched from the object store
+        + [("miss", m.label) for m in Miss],
         "saves": [(r.name.lower(),) for r in Reason],
         "saves_skipped": [(r,) for r in SKIP_REASONS],
         "errors": [(h,) for h in HOOKS],
+        "object_files": [(o,) for o in OBJECT_OUTCOMES],
     }
 
 

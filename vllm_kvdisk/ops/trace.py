@@ -38,7 +38,8 @@ CHECK_EVERY_S = 1.0
 @dataclass(frozen=True, slots=True)
 class TraceEvent:
     """One parsed trace line. ``kind``: miss, hit, loaded, device_hit, probe, saved,
-    save_failed, save_skipped, evicted, quarantined, dropped, load_failed, replay."""
+    save_failed, save_skipped, evicted, quarantined, dropped, load_failed, replay,
+    object_fetch."""
 
     kind: str
     sha1: str = ""
@@ -95,6 +96,13 @@ _PATTERNS: list[tuple[str, re.Pattern[str]]] = [
         ),
     ),
     ("replay", re.compile(r"^tool replay: (?P<detail>.*)$")),
+    (
+        "object_fetch",
+        re.compile(
+            r"^object store fetch \((?P<files>\d+) file\(s\), (?P<bytes>\d+) bytes, "
+            r"(?P<ms>[\d.]+) ms(?:; stopped short: (?P<detail>.*))?\)$"
+        ),
+    ),
 ]
 
 
@@ -267,6 +275,12 @@ class Trace:
         self.line(
             f"miss for sha1={sha1} (reason: load failed: {detail}; {blocks} block(s) "
             "will be recomputed)"
+        )
+
+    def object_fetch(self, files: int, nbytes: int, seconds: float, why: str) -> None:
+        self.line(
+            f"object store fetch ({files} file(s), {nbytes} bytes, {seconds * 1e3:.0f} ms"
+            f"{'; stopped short: ' + why if why else ''})"
         )
 
     def replay(self, summary: str) -> None:

@@ -25,13 +25,13 @@ import contextlib
 import errno
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from vllm_kvdisk.core.changes import bulk
 from vllm_kvdisk.core.encode import Encoded, summary_of
 from vllm_kvdisk.core.entry import Entry, Key, entry_of
 from vllm_kvdisk.core.eviction import plan_eviction
-from vllm_kvdisk.core.format import FormatError
+from vllm_kvdisk.core.format import FormatError, Summary
 from vllm_kvdisk.core.index import Index
 from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage.directory import Directory
@@ -140,6 +140,35 @@ class Budget:
             raise
         finally:
             os.close(dir_fd)
+        return entry
+
+    @contextlib.contextmanager
+    def incoming(self, ns: str, sha1: str) -> Iterator[fsdir.TempFile]:
+        """A locked temp file in ``ns`` for the bytes of ``sha1`` that come from elsewhere
+        (the object tier); removed unless :meth:`adopt` renamed it into place."""
+        with self._mutex:
+            state = self.directory.namespace(ns, create=True)
+            if state is None:
+                raise OSError(errno.ENOENT, f"cannot create namespace {ns}")
+            dir_fd = os.dup(state.fd)
+        try:
+            with fsdir.TempFile(dir_fd, f"{sha1}.kv") as tmp:
+                yield tmp
+        finally:
+            os.close(dir_fd)
+
+    def adopt(self, ns: str, sha1: str, tmp: fsdir.TempFile, summary: Summary) -> Entry:
+        """Rename a filled and checked temp file into place like a save: under the lock,
+        its parent on disk, room made, never over a file of its name (SaveSkipped)."""
+        os.fsync(tmp.fd)
+        st = tmp.stat()
+        entry = entry_of(ns, sha1, summary, st.st_size, 0, used_ns=int(self.clock() * 1e9))
+        entry.inode, entry.size, entry.mtime_ns = fsdir.identity(st)
+        try:
+            self._commit(entry, tmp, ())
+        except SaveSkipped:
+            self.stats.skipped_saves += 1
+            raise
         return entry
 
     def _commit(self, entry: Entry, tmp: fsdir.TempFile | None, protect: Iterable[Key]) -> None:

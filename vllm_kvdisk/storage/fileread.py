@@ -431,3 +431,20 @@ def read_indexable(dir_fd: int, sha1: str) -> tuple[Any, int]:
         found = UnsupportedFile(f"could not be indexed: {exc!r}")
         found.inode = st.st_ino  # type: ignore[attr-defined]
         return found, fd
+
+
+def check_whole(fd: int, sha1: str, ns: str) -> Summary:
+    """Every check ``kvdisk verify`` makes, on a file not indexed yet (a download): its
+    name is the SHA1 of its text, its namespace digest starts with ``ns``, its token ids,
+    pages and tool map match their checksums. Its summary; FormatError if unsound
+    (UnsupportedFile: another version, not corrupt)."""
+    size = os.fstat(fd).st_size
+    meta = read_meta(fd, size)
+    if text_sha1(fd, meta) != sha1:
+        raise FormatError("file name is not the SHA1 of its text")
+    if not meta.payload.fingerprint.hex().startswith(ns):
+        raise FormatError("a file of another namespace")
+    read_tokens(fd, meta)
+    check_layers(fd, meta)
+    read_tool_map(fd, meta)
+    return read_summary(fd, size)

@@ -36,15 +36,24 @@ class Quarantine:
         self.clock = clock
 
     def move(
-        self, dir_fd: int, ns: str, sha1: str, why: str, inode: int | None, dev: int | None = None
+        self,
+        dir_fd: int,
+        ns: str,
+        sha1: str,
+        why: str,
+        inode: int | None,
+        dev: int | None = None,
+        *,
+        source: str | None = None,
     ) -> str | None:
         """Move ``<sha1>.kv`` out of ``dir_fd``: "moved", "deleted" (the quarantine or the
         rename failed: deleted in place), None if its name was left as it is. Only a
         regular file, and only if it is still ``inode`` on ``dev``, when given. The caller
         holds the directory lock (writers rename under it, so the name cannot change
         between this check and the rename) and the descriptor it read (so the inode
-        cannot be reused); it counts and journals every removal."""
-        name = f"{sha1}.kv"
+        cannot be reused); it counts and journals every removal of a checkpoint name.
+        ``source``: the file is a temp file of the caller's (a download) by that name."""
+        name = source or f"{sha1}.kv"
         try:
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except OSError:

@@ -54,7 +54,12 @@ import numpy as np
 from vllm_kvdisk.core.config import KVDiskConfig
 from vllm_kvdisk.core.encode import Encoded
 from vllm_kvdisk.core.entry import Entry, Key
-from vllm_kvdisk.core.format import HEADER_FIELD_HITS, HEADER_FIELD_LAST_USED, FormatError
+from vllm_kvdisk.core.format import (
+    HEADER_FIELD_HITS,
+    HEADER_FIELD_LAST_USED,
+    FormatError,
+    Summary,
+)
 from vllm_kvdisk.core.index import Index
 from vllm_kvdisk.core.keys import Fingerprint
 from vllm_kvdisk.core.logs import get_logger
@@ -262,6 +267,12 @@ class Store:
 
     def write(self, ns: str, sha1: str, encoded: Encoded, *, protect: Iterable[Key] = ()) -> Entry:
         return self.budget.write(ns, sha1, encoded, protect=protect)
+
+    def incoming(self, ns: str, sha1: str) -> contextlib.AbstractContextManager[fsdir.TempFile]:
+        return self.budget.incoming(ns, sha1)
+
+    def adopt(self, ns: str, sha1: str, tmp: fsdir.TempFile, summary: Summary) -> Entry:
+        return self.budget.adopt(ns, sha1, tmp, summary)
 
     def evict(
         self, need_bytes: int, protect: Iterable[Key] = (), *, dry_run: bool = False
@@ -513,6 +524,15 @@ class Store:
             self.dropped.append((ns, entry.sha1, why))
             if self._on_drop is not None:
                 self._on_drop(entry, why)
+
+    def quarantine_incoming(self, ns: str, sha1: str, tmp: fsdir.TempFile, why: str) -> bool:
+        """Move a download proven corrupt (still its temp file, no checkpoint name: nothing
+        to journal) to the quarantine."""
+        with self._mutex:
+            moved = self._quarantined.move(tmp.dir_fd, ns, sha1, why, None, source=tmp.name)
+            if moved:
+                self.stats.quarantined += 1
+        return moved is not None
 
     def forget(self, ns: str, sha1: str) -> None:
         """Drop a file from the index only (stale or unreadable: the next refresh may find
