@@ -9,17 +9,20 @@ from engine import OUTCOME_WAIT_S, engine, events, generate, random_prompt
 from vllm_kvdisk.connector.transfer import PageMover
 from vllm_kvdisk.storage.store import Store
 
-pytestmark = pytest.mark.engine
+# GPU users serve in bf16, which keeps differences fp32 rounds away: every test runs in both.
+pytestmark = [pytest.mark.engine, pytest.mark.parametrize("dtype", ["float32", "bfloat16"])]
 
 
-def test_greedy_tokens_identical_no_cache_gpu_hit_disk_hit_and_after_restart(tiny_model, tmp_path):
+def test_greedy_tokens_identical_no_cache_gpu_hit_disk_hit_and_after_restart(
+    tiny_model, tmp_path, dtype
+):
     kv = str(tmp_path / "kv")
     trace = str(tmp_path / "trace.txt")
     prompt = random_prompt(1500, seed=1)
-    with engine(tiny_model, None, prefix_caching=False) as llm:
+    with engine(tiny_model, None, prefix_caching=False, llm_args={"dtype": dtype}) as llm:
         reference, cached = generate(llm, prompt, max_tokens=24)
         assert cached == 0
-    with engine(tiny_model, kv, trace=trace) as llm:
+    with engine(tiny_model, kv, trace=trace, llm_args={"dtype": dtype}) as llm:
         cold, cached = generate(llm, prompt, max_tokens=24)
         assert cached == 0
         gpu, gpu_cached = generate(llm, prompt, max_tokens=24)
@@ -29,14 +32,18 @@ def test_greedy_tokens_identical_no_cache_gpu_hit_disk_hit_and_after_restart(tin
     # Grid 256/32 on 128-token blocks: the deepest checkpoint below 1500 is 1408.
     assert disk_cached == 1408
     assert len(events(trace, "loaded")) >= 1
-    with engine(tiny_model, kv, trace=trace) as llm:  # a restarted server: disk only
+    with engine(
+        tiny_model, kv, trace=trace, llm_args={"dtype": dtype}
+    ) as llm:  # a restarted server: disk only
         restarted, restart_cached = generate(llm, prompt, max_tokens=24)
     assert restart_cached == 1408
     assert reference == cold == gpu == disk == restarted
     assert len(set(reference)) > 4  # the model is not stuck on one token
 
 
-def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_path, monkeypatch):
+def test_pages_read_back_are_byte_identical_to_pages_written(
+    tiny_model, tmp_path, monkeypatch, dtype
+):
     import vllm_kvdisk.connector.restore as restore_mod
 
     written: dict[int, np.ndarray] = {}  # block index in the request -> page bytes, layer 0
@@ -64,7 +71,7 @@ def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_pat
     monkeypatch.setattr(PageMover, "block_runs", spy_block_runs)
     monkeypatch.setattr(restore_mod, "read_layers_into", spy_read)
     prompt = random_prompt(1000, seed=2)  # one checkpoint: 896 tokens = 7 blocks
-    with engine(tiny_model, str(tmp_path / "kv")) as llm:
+    with engine(tiny_model, str(tmp_path / "kv"), llm_args={"dtype": dtype}) as llm:
         first, _ = generate(llm, prompt)
         deadline = (
             time.monotonic() + OUTCOME_WAIT_S
@@ -92,18 +99,18 @@ def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_pat
     assert sorted(layer for layer, _ in loaded) == [0, 1, 2, 3]  # every layer was restored
 
 
-def test_disk_hit_extends_a_gpu_hit(tiny_model, tmp_path):
+def test_disk_hit_extends_a_gpu_hit(tiny_model, tmp_path, dtype):
     """A longer prompt restores only the blocks the device cache lacks, then the rest."""
     kv = str(tmp_path / "kv")
     base = random_prompt(1500, seed=3)
-    with engine(tiny_model, kv) as llm:
+    with engine(tiny_model, kv, llm_args={"dtype": dtype}) as llm:
         generate(llm, base[:700])  # checkpoint at 640
         generate(llm, base)  # delta checkpoint at 1408 on top of 640
         llm.reset_prefix_cache()
         generate(llm, base[:500])  # device cache now holds 384 tokens of the prefix
         tokens, cached = generate(llm, base)
         assert cached == 1408
-    with engine(tiny_model, None, prefix_caching=False) as llm:
+    with engine(tiny_model, None, prefix_caching=False, llm_args={"dtype": dtype}) as llm:
         reference, _ = generate(llm, base)
     assert tokens == reference
     store = Store(kv, space_bytes=1 << 40, readonly=True)
@@ -115,7 +122,7 @@ def test_disk_hit_extends_a_gpu_hit(tiny_model, tmp_path):
 
 
 def test_a_sibling_session_restores_past_the_grid_point_inside_the_first_ones_file(
-    tiny_model, tmp_path
+    tiny_model, tmp_path, dtype
 ):
     """ds4's grid (2048/32): session A's 3200-token prompt leaves checkpoints at 1920 (the
     grid) and 3200 (its untrimmed tail). Session B shares A's first 3000 tokens: it restores 2944,
@@ -123,9 +130,11 @@ def test_a_sibling_session_restores_past_the_grid_point_inside_the_first_ones_fi
     kv, trace = str(tmp_path / "kv"), str(tmp_path / "trace.txt")
     a = random_prompt(3200, seed=9)
     b = a[:3000] + random_prompt(400, seed=10)
-    with engine(tiny_model, None, prefix_caching=False) as llm:
+    with engine(tiny_model, None, prefix_caching=False, llm_args={"dtype": dtype}) as llm:
         reference, _ = generate(llm, b)
-    with engine(tiny_model, kv, trace=trace, kv_cache_boundary_align_tokens=2048) as llm:
+    with engine(
+        tiny_model, kv, trace=trace, kv_cache_boundary_align_tokens=2048, llm_args={"dtype": dtype}
+    ) as llm:
         generate(llm, a)
         llm.reset_prefix_cache()
         tokens, cached = generate(llm, b)
