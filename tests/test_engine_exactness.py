@@ -1,18 +1,23 @@
-"""A disk restore gives exactly what the engine's own prefix cache (or no cache) gives."""
+"""A disk restore gives exactly what the engine's own prefix cache (or no cache) gives, and a
+server with kvdisk computes exactly what plain `vllm serve` computes."""
 
 import time
 
 import numpy as np
 import pytest
-from engine import OUTCOME_WAIT_S, engine, events, generate, random_prompt
+from engine import OUTCOME_WAIT_S, Server, disk_tokens, engine, events, generate, random_prompt
+from helpers import text
 
 from vllm_kvdisk.connector.transfer import PageMover
 from vllm_kvdisk.storage.store import Store
+from vllm_kvdisk.testing import harness
 
-# GPU users serve in bf16, which keeps differences fp32 rounds away: every test runs in both.
-pytestmark = [pytest.mark.engine, pytest.mark.parametrize("dtype", ["float32", "bfloat16"])]
+pytestmark = pytest.mark.engine
+# GPU users serve in bf16, which keeps differences fp32 rounds away: these run in both.
+DTYPES = pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 
 
+@DTYPES
 def test_greedy_tokens_identical_no_cache_gpu_hit_disk_hit_and_after_restart(
     tiny_model, tmp_path, dtype
 ):
@@ -41,6 +46,7 @@ def test_greedy_tokens_identical_no_cache_gpu_hit_disk_hit_and_after_restart(
     assert len(set(reference)) > 4  # the model is not stuck on one token
 
 
+@DTYPES
 def test_pages_read_back_are_byte_identical_to_pages_written(
     tiny_model, tmp_path, monkeypatch, dtype
 ):
@@ -99,6 +105,7 @@ def test_pages_read_back_are_byte_identical_to_pages_written(
     assert sorted(layer for layer, _ in loaded) == [0, 1, 2, 3]  # every layer was restored
 
 
+@DTYPES
 def test_disk_hit_extends_a_gpu_hit(tiny_model, tmp_path, dtype):
     """A longer prompt restores only the blocks the device cache lacks, then the rest."""
     kv = str(tmp_path / "kv")
@@ -121,6 +128,7 @@ def test_disk_hit_extends_a_gpu_hit(tiny_model, tmp_path, dtype):
     assert [(e.parent_tokens, e.tokens) for e in chain] == [(0, 640), (640, 1408)]
 
 
+@DTYPES
 def test_a_sibling_session_restores_past_the_grid_point_inside_the_first_ones_file(
     tiny_model, tmp_path, dtype
 ):
@@ -146,3 +154,67 @@ def test_a_sibling_session_restores_past_the_grid_point_inside_the_first_ones_fi
     store.scan()
     b_tail = max(store.index.entries(), key=lambda e: e.tokens)
     assert (b_tail.parent_tokens, b_tail.tokens) == (2944, 3328)
+
+
+def converse(start, restart_before: int | None = None, turns: int = 3) -> list[tuple]:
+    """A live chat, greedy: each reply goes into the next turn's prompt, so two servers see
+    the same history only while they agree. (prompt ids, reply ids, cached tokens) per
+    turn, and the tokens restored from disk on each turn (None for a plain server)."""
+    messages = [
+        {"role": "system", "content": text(0, 900)},
+        {"role": "user", "content": "Explain: " + text(900, 250)},
+    ]
+    server, out = start(), []
+    try:
+        for turn in range(turns):
+            if turn == restart_before:
+                assert server.stop()["rc"] == 0
+                server = start()
+            before = disk_tokens(server) if isinstance(server, Server) else None
+            reply = server.chat(messages, max_tokens=32, return_token_ids=True)
+            cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+            loaded = None if before is None else disk_tokens(server) - before
+            ids = reply["choices"][0]["token_ids"]
+            out.append((reply["prompt_token_ids"], ids, cached, loaded))
+            messages += [
+                {"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                {"role": "user", "content": text(1200 + 100 * turn, 80)},
+            ]
+    finally:
+        server.stop()
+    return out
+
+
+def test_bf16_server_replies_equal_plain_vllms_at_the_same_cache_positions(tiny_model, tmp_path):
+    """The same chat through two plain `vllm serve` (prefix caching, never restarted: the
+    control) and `vllm-kvdisk serve` (restarted before turn 3, which then restores from disk
+    what the plain server's warm cache holds): same prompt ids, same cached tokens, same
+    replies on every turn. Before the fix kvdisk's reply differed from turn 1 on: configuring
+    a KV connector made vLLM's CPU backend keep one more core out of the worker's OpenMP
+    threads, and the thread count alone changes bf16 results."""
+    args = ("--dtype", "bfloat16", "--max-model-len", "8192", "--enforce-eager")
+
+    def plain(name: str):
+        def start():
+            port = harness.free_port()
+            cmd = harness.vllm_command(tiny_model, port, *args, "--enable-prompt-tokens-details")
+            log = str(tmp_path / f"{name}.log")
+            return harness.Server(cmd, log, port, model=tiny_model, timeout_s=240)
+
+        return start
+
+    def kvdisk():
+        return Server(
+            tiny_model, str(tmp_path / "kv"), str(tmp_path / "kvdisk.log"), dtype="bfloat16"
+        )
+
+    first, control = converse(plain("plain-1")), converse(plain("plain-2"))
+    assert [t[:3] for t in control] == [t[:3] for t in first]  # vLLM agrees with itself
+    ours = converse(kvdisk, restart_before=2)
+    for turn, ((prompt, reply, cached, _), (p, r, c, loaded)) in enumerate(zip(first, ours)):
+        assert p == prompt and c == cached, turn  # same history, same cache positions
+        assert r == reply, (turn, reply, r)
+        assert len(set(reply)) > 4
+    assert [t[2] for t in first][0] == 0 and all(t[2] >= 1024 for t in first[1:])
+    assert [t[3] for t in ours][:2] == [0, 0]  # no disk hit before the restart
+    assert ours[2][3] == ours[2][2]  # after it, every cached token came from disk
