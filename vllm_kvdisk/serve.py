@@ -119,7 +119,7 @@ def _last_int(args: Sequence[str], *flags: str) -> int | None:
             try:
                 value = int(raw)
             except ValueError:
-                return None  # vLLM will refuse it; nothing to derive from it
+                return None  # vLLM refuses it at start-up
     return value
 
 
