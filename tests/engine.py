@@ -51,7 +51,15 @@ def engine(
 class Server(harness.Server):
     """``vllm-kvdisk serve`` in its default multi-process mode, with the test grid."""
 
-    def __init__(self, model: str, kv_dir: str, log_path: str, *args: str, env: dict | None = None):
+    def __init__(
+        self,
+        model: str,
+        kv_dir: str,
+        log_path: str,
+        *args: str,
+        env: dict | None = None,
+        dtype: str = "float32",
+    ):
         import os
 
         port = free_port()
@@ -65,7 +73,7 @@ class Server(harness.Server):
             kv_dir,
             port,
             "--dtype",
-            "float32",
+            dtype,
             "--max-model-len",
             "8192",
             "--enforce-eager",

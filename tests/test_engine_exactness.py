@@ -1,25 +1,33 @@
-"""A disk restore gives exactly what the engine's own prefix cache (or no cache) gives."""
+"""A disk restore gives exactly what the engine's own prefix cache (or no cache) gives, and a
+server with kvdisk computes exactly what plain `vllm serve` computes."""
 
 import time
 
 import numpy as np
 import pytest
-from engine import OUTCOME_WAIT_S, engine, events, generate, random_prompt
+from engine import OUTCOME_WAIT_S, Server, disk_tokens, engine, events, generate, random_prompt
+from helpers import text
 
 from vllm_kvdisk.connector.transfer import PageMover
 from vllm_kvdisk.storage.store import Store
+from vllm_kvdisk.testing import harness
 
 pytestmark = pytest.mark.engine
+# GPU users serve in bf16, which keeps differences fp32 rounds away: these run in both.
+DTYPES = pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 
 
-def test_greedy_tokens_identical_no_cache_gpu_hit_disk_hit_and_after_restart(tiny_model, tmp_path):
+@DTYPES
+def test_greedy_tokens_identical_no_cache_gpu_hit_disk_hit_and_after_restart(
+    tiny_model, tmp_path, dtype
+):
     kv = str(tmp_path / "kv")
     trace = str(tmp_path / "trace.txt")
     prompt = random_prompt(1500, seed=1)
-    with engine(tiny_model, None, prefix_caching=False) as llm:
+    with engine(tiny_model, None, prefix_caching=False, llm_args={"dtype": dtype}) as llm:
         reference, cached = generate(llm, prompt, max_tokens=24)
         assert cached == 0
-    with engine(tiny_model, kv, trace=trace) as llm:
+    with engine(tiny_model, kv, trace=trace, llm_args={"dtype": dtype}) as llm:
         cold, cached = generate(llm, prompt, max_tokens=24)
         assert cached == 0
         gpu, gpu_cached = generate(llm, prompt, max_tokens=24)
@@ -29,14 +37,19 @@ def test_greedy_tokens_identical_no_cache_gpu_hit_disk_hit_and_after_restart(tin
     # Grid 256/32 on 128-token blocks: the deepest checkpoint below 1500 is 1408.
     assert disk_cached == 1408
     assert len(events(trace, "loaded")) >= 1
-    with engine(tiny_model, kv, trace=trace) as llm:  # a restarted server: disk only
+    with engine(
+        tiny_model, kv, trace=trace, llm_args={"dtype": dtype}
+    ) as llm:  # a restarted server: disk only
         restarted, restart_cached = generate(llm, prompt, max_tokens=24)
     assert restart_cached == 1408
     assert reference == cold == gpu == disk == restarted
     assert len(set(reference)) > 4  # the model is not stuck on one token
 
 
-def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_path, monkeypatch):
+@DTYPES
+def test_pages_read_back_are_byte_identical_to_pages_written(
+    tiny_model, tmp_path, monkeypatch, dtype
+):
     import vllm_kvdisk.connector.restore as restore_mod
 
     written: dict[int, np.ndarray] = {}  # block index in the request -> page bytes, layer 0
@@ -64,7 +77,7 @@ def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_pat
     monkeypatch.setattr(PageMover, "block_runs", spy_block_runs)
     monkeypatch.setattr(restore_mod, "read_layers_into", spy_read)
     prompt = random_prompt(1000, seed=2)  # one checkpoint: 896 tokens = 7 blocks
-    with engine(tiny_model, str(tmp_path / "kv")) as llm:
+    with engine(tiny_model, str(tmp_path / "kv"), llm_args={"dtype": dtype}) as llm:
         first, _ = generate(llm, prompt)
         deadline = (
             time.monotonic() + OUTCOME_WAIT_S
@@ -92,20 +105,21 @@ def test_pages_read_back_are_byte_identical_to_pages_written(tiny_model, tmp_pat
     assert sorted(layer for layer, _ in loaded) == [0, 1, 2, 3]  # every layer was restored
 
 
-def test_disk_hit_extends_a_gpu_hit(tiny_model, tmp_path):
+@DTYPES
+def test_disk_hit_extends_a_gpu_hit(tiny_model, tmp_path, dtype):
     """A longer prompt restores only the blocks the device cache lacks, then the rest; and
     its checkpoints are deltas on the first prompt's, grid points on tails alike, so no
     block is on disk twice."""
     kv = str(tmp_path / "kv")
     base = random_prompt(1500, seed=3)
-    with engine(tiny_model, kv) as llm:
+    with engine(tiny_model, kv, llm_args={"dtype": dtype}) as llm:
         generate(llm, base[:1100])  # grid point 896, tail 1024
         generate(llm, base)  # grid point and tail 1408, a delta on the tail at 1024
         llm.reset_prefix_cache()
         generate(llm, base[:500])  # device cache now holds 384 tokens of the prefix
         tokens, cached = generate(llm, base)
         assert cached == 1408
-    with engine(tiny_model, None, prefix_caching=False) as llm:
+    with engine(tiny_model, None, prefix_caching=False, llm_args={"dtype": dtype}) as llm:
         reference, _ = generate(llm, base)
     assert tokens == reference
     store = Store(kv, space_bytes=1 << 40, readonly=True)
@@ -125,8 +139,9 @@ def test_disk_hit_extends_a_gpu_hit(tiny_model, tmp_path):
             assert ids is not None and list(ids) != base[: e.tokens]
 
 
+@DTYPES
 def test_a_sibling_session_restores_past_the_grid_point_inside_the_first_ones_file(
-    tiny_model, tmp_path
+    tiny_model, tmp_path, dtype
 ):
     """ds4's grid (2048/32): session A's 3200-token prompt leaves checkpoints at 1920 (the
     grid) and 3200 (its untrimmed tail). Session B shares A's first 3000 tokens: it restores 2944,
@@ -134,9 +149,11 @@ def test_a_sibling_session_restores_past_the_grid_point_inside_the_first_ones_fi
     kv, trace = str(tmp_path / "kv"), str(tmp_path / "trace.txt")
     a = random_prompt(3200, seed=9)
     b = a[:3000] + random_prompt(400, seed=10)
-    with engine(tiny_model, None, prefix_caching=False) as llm:
+    with engine(tiny_model, None, prefix_caching=False, llm_args={"dtype": dtype}) as llm:
         reference, _ = generate(llm, b)
-    with engine(tiny_model, kv, trace=trace, kv_cache_boundary_align_tokens=2048) as llm:
+    with engine(
+        tiny_model, kv, trace=trace, kv_cache_boundary_align_tokens=2048, llm_args={"dtype": dtype}
+    ) as llm:
         generate(llm, a)
         llm.reset_prefix_cache()
         tokens, cached = generate(llm, b)
@@ -148,3 +165,67 @@ def test_a_sibling_session_restores_past_the_grid_point_inside_the_first_ones_fi
     store.scan()
     b_tail = max(store.index.entries(), key=lambda e: e.tokens)
     assert (b_tail.parent_tokens, b_tail.tokens) == (2944, 3328)
+
+
+def converse(start, restart_before: int | None = None, turns: int = 3) -> list[tuple]:
+    """A live chat, greedy: each reply goes into the next turn's prompt, so two servers see
+    the same history only while they agree. (prompt ids, reply ids, cached tokens) per
+    turn, and the tokens restored from disk on each turn (None for a plain server)."""
+    messages = [
+        {"role": "system", "content": text(0, 900)},
+        {"role": "user", "content": "Explain: " + text(900, 250)},
+    ]
+    server, out = start(), []
+    try:
+        for turn in range(turns):
+            if turn == restart_before:
+                assert server.stop()["rc"] == 0
+                server = start()
+            before = disk_tokens(server) if isinstance(server, Server) else None
+            reply = server.chat(messages, max_tokens=32, return_token_ids=True)
+            cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+            loaded = None if before is None else disk_tokens(server) - before
+            ids = reply["choices"][0]["token_ids"]
+            out.append((reply["prompt_token_ids"], ids, cached, loaded))
+            messages += [
+                {"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                {"role": "user", "content": text(1200 + 100 * turn, 80)},
+            ]
+    finally:
+        server.stop()
+    return out
+
+
+def test_bf16_server_replies_equal_plain_vllms_at_the_same_cache_positions(tiny_model, tmp_path):
+    """The same chat through two plain `vllm serve` (prefix caching, never restarted: the
+    control) and `vllm-kvdisk serve` (restarted before turn 3, which then restores from disk
+    what the plain server's warm cache holds): same prompt ids, same cached tokens, same
+    replies on every turn. Before the fix kvdisk's reply differed from turn 1 on: configuring
+    a KV connector made vLLM's CPU backend keep one more core out of the worker's OpenMP
+    threads, and the thread count alone changes bf16 results."""
+    args = ("--dtype", "bfloat16", "--max-model-len", "8192", "--enforce-eager")
+
+    def plain(name: str):
+        def start():
+            port = harness.free_port()
+            cmd = harness.vllm_command(tiny_model, port, *args, "--enable-prompt-tokens-details")
+            log = str(tmp_path / f"{name}.log")
+            return harness.Server(cmd, log, port, model=tiny_model, timeout_s=240)
+
+        return start
+
+    def kvdisk():
+        return Server(
+            tiny_model, str(tmp_path / "kv"), str(tmp_path / "kvdisk.log"), dtype="bfloat16"
+        )
+
+    first, control = converse(plain("plain-1")), converse(plain("plain-2"))
+    assert [t[:3] for t in control] == [t[:3] for t in first]  # vLLM agrees with itself
+    ours = converse(kvdisk, restart_before=2)
+    for turn, ((prompt, reply, cached, _), (p, r, c, loaded)) in enumerate(zip(first, ours)):
+        assert p == prompt and c == cached, turn  # same history, same cache positions
+        assert r == reply, (turn, reply, r)
+        assert len(set(reply)) > 4
+    assert [t[2] for t in first][0] == 0 and all(t[2] >= 1024 for t in first[1:])
+    assert [t[3] for t in ours][:2] == [0, 0]  # no disk hit before the restart
+    assert ours[2][3] == ours[2][2]  # after it, every cached token came from disk

@@ -4,13 +4,15 @@
   compute on, and keeps some cores of the node out of every rank's list: one for the
   scheduler process and, when a KV connector is configured, one more per rank for the
   connector's transfers (``vllm/utils/ompmultiprocessing.py``; its NIXL connector moves
-  its own work there). Threads a worker starts inherit its binding, so kvdisk's copies,
-  writes and reads all ran on the compute cores while the reserved core idled. Now a
-  save's threads run on the spare cores of the node (those of the engine process that no
-  rank computes on), and a load's threads on those and the worker's own (a request waits
-  for its load: any free core helps). A worker bound to no fewer cores than its engine
-  process (GPU workers, ``nobind``), or with none spare, leaves its threads where they
-  start.
+  its own work there). ``vllm-kvdisk serve`` declines that extra core (the thread count
+  would change the engine's bf16 results: :func:`vllm_kvdisk.serve.reserved_cpus`), so
+  the spare core is usually the scheduler's. Threads a worker starts inherit its binding,
+  so kvdisk's copies, writes and reads all ran on the compute cores while the reserved
+  core idled. Now a save's threads run on the spare cores of the node (those of the
+  engine process that no rank computes on), and a load's threads on those and the
+  worker's own (a request waits for its load: any free core helps). A worker bound to no
+  fewer cores than its engine process (GPU workers, ``nobind``), or with none spare,
+  leaves its threads where they start.
 * The GIL. vLLM's worker loop polls for the next step in Python, and at the default
   switch interval (5 ms) an I/O thread waited that long for each turn.
 

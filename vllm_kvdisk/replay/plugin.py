@@ -9,6 +9,9 @@ general plugins, so it must name ``kvdisk`` too); ``vllm-kvdisk serve`` sets it.
         --kv-transfer-config '{"kv_connector":"kvdisk",...}' \
         --enable-auto-tool-choice --tool-call-parser hermes
 
+(on vLLM's CPU backend with ``VLLM_CPU_NUM_OF_RESERVED_CPU`` set to TP x PP too, as
+``vllm-kvdisk serve`` sets it: see :func:`vllm_kvdisk.serve.reserved_cpus`).
+
 It adds no route. ``attach_router`` puts the tenancy gate (:mod:`vllm_kvdisk.api.tenancy`:
 each request's ``cache_salt`` from its tenant) in front of vLLM's handlers. ``init_state``
 configures the gate and wraps, on the app's own handler objects (instance
