@@ -276,20 +276,27 @@ class Replayer:
         parser_cls = getattr(self.chat, "parser_cls", None)
         if parser_cls is None:
             return out
+        holders: list[Any] = [parser_cls, getattr(parser_cls, "tool_parser_cls", None)]
         try:
-            parser = parser_cls(self.tokenizer, None)
-        except Exception:  # noqa: BLE001
-            try:
-                parser = parser_cls(self.tokenizer)
-            except Exception as exc:  # noqa: BLE001
-                log.debug("kvdisk replay: no tool parser instance: %s", exc)
-                parser = parser_cls
-        for name in dir(parser):
-            if name.endswith(("_token", "_tokens")) and not name.startswith("__"):
-                value = getattr(parser, name, None)
-                values = value if isinstance(value, (list, tuple)) else [value]
-                out += [v for v in values if isinstance(v, str) and v]
-        return out
+            parser = parser_cls(
+                self.tokenizer,
+                None,
+                chat_template_kwargs={},
+                model_config=self.chat.model_config,
+            )
+            holders += [parser, getattr(parser, "_tool_parser", None)]
+        except Exception as exc:  # noqa: BLE001 - the class attributes are still there
+            log.debug("kvdisk replay: no tool parser instance: %s", exc)
+        for holder in holders:
+            for name in dir(holder) if holder is not None else []:
+                if name.endswith(("_token", "_tokens")) and not name.startswith("__"):
+                    try:
+                        value = getattr(holder, name, None)
+                    except Exception:  # noqa: BLE001 - a property that needs state
+                        continue
+                    values = value if isinstance(value, (list, tuple, set)) else [value]
+                    out += [v for v in values if isinstance(v, str) and v]
+        return sorted(set(out))
 
     def _poll_disk(self) -> None:
         self._last_poll = time.monotonic()
