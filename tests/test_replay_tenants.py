@@ -25,7 +25,7 @@ from vllm_kvdisk.replay.log import (
 )
 from vllm_kvdisk.replay.memory import ToolMemory, ToolRecord, prefix_digest, tenant_key
 from vllm_kvdisk.replay.messages import hidden_text, make_signature
-from vllm_kvdisk.replay.plugin import OwnParams, strip_internal_keys
+from vllm_kvdisk.replay.edge import OwnParams, strip_internal_keys
 from vllm_kvdisk.replay.turns import PrefixMismatch, plan_replay, sentinel_messages, splice
 from vllm_kvdisk.storage.store import Store
 

@@ -35,6 +35,7 @@ class DiskToolMaps:
     def __init__(self, root: str):
         self.store = Store(root, space_bytes=1, readonly=True)
         self._seen: set[tuple[str, str]] = set()
+        self._scopes: dict[str, str | None] = {}  # namespace -> its tenant (None: not ours)
         self._lock = threading.Lock()
 
     def poll(
@@ -47,8 +48,12 @@ class DiskToolMaps:
         with self._lock:
             tenants: dict[str, str] = {}
             for ns in self.store.namespaces():
-                info = self.store.namespace_info(ns)
-                tenant = scope(info) if info is not None else None
+                if ns not in self._scopes:  # a name is the digest of what it describes
+                    info = self.store.namespace_info(ns)
+                    if info is None:
+                        continue  # not described (yet): looked at again next time
+                    self._scopes[ns] = scope(info)
+                tenant = self._scopes[ns]
                 if tenant is not None:
                     tenants[ns] = tenant
                     self.store.refresh(ns)

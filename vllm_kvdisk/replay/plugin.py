@@ -50,6 +50,7 @@ from vllm_kvdisk.core.control import MAP_KEY, without_internal
 from vllm_kvdisk.core.keys import salt_digest
 from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.replay.capture import Tap, capture_stream
+from vllm_kvdisk.replay.edge import OwnParams, strip_internal_keys
 from vllm_kvdisk.replay.ktm import DiskToolMaps
 from vllm_kvdisk.replay.log import ToolCall, ToolLog
 from vllm_kvdisk.replay.memory import (
@@ -153,29 +154,6 @@ def kvdisk_config(vllm_config: Any) -> Any:
     ):
         return None
     return load_config(dict(transfer.kv_connector_extra_config or {}), os.environ)
-
-
-class OwnParams(dict):  # type: ignore[type-arg]
-    """``kv_transfer_params`` this plugin wrote (a client's JSON is never of this type):
-    the only ones whose internal keys reach the engine."""
-
-
-def strip_internal_keys(engine_client: Any) -> None:
-    """Wrap ``engine_client.generate`` so that no request reaches the engine with internal
-    ``kvdisk_*`` keys it did not get from this plugin: the one place every endpoint
-    (chat, completions, responses, beam search) passes through."""
-    generate = engine_client.generate
-
-    def generate_without_internal_keys(prompt: Any, sampling_params: Any, *args: Any, **kw: Any):
-        extra = getattr(sampling_params, "extra_args", None)
-        params = extra.get("kv_transfer_params") if isinstance(extra, dict) else None
-        if params is not None and not isinstance(params, OwnParams):
-            cleaned = without_internal(params)
-            if cleaned is not params:
-                sampling_params.extra_args = {**extra, "kv_transfer_params": cleaned}
-        return generate(prompt, sampling_params, *args, **kw)
-
-    engine_client.generate = generate_without_internal_keys
 
 
 class Replayer:
