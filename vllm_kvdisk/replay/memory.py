@@ -63,6 +63,8 @@ class ToolRecord:
     source: tuple[str, str] | None = None  # (namespace, sha1) of the file it came from
     tenant: str = ""  # tenant_key() of the request that sampled it
     prefix: bytes | None = None  # prefix_digest() of its prompt; None until recovered
+    # (the ids it was checked with, whether it hides text from them): checked once
+    hidden: tuple[tuple[str, ...], bool] | None = None
 
     def cost(self) -> int:
         """Bytes this record holds in memory, ids not counted. Without token ids yet

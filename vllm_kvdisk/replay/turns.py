@@ -128,7 +128,7 @@ def plan_replay(
             else "it differs from what was sampled"
             if record.signature != message_signature(message)
             else "its sampled turn holds text the client did not receive"
-            if hidden_text(record.text, record.signature, ids, markup)
+            if _hides(record, record.signature, ids, markup)
             else "the prompt it was sampled after is unknown"
             if record.prefix is None and record.source is None
             else None
@@ -143,6 +143,17 @@ def plan_replay(
             plan.from_memory += len(ids)
         plan.replays.append(Replay(index, ids, record))
     return plan
+
+
+def _hides(
+    record: ToolRecord, signature: Signature, ids: list[str], markup: tuple[str, ...]
+) -> bool:
+    """Whether the record says more than a message with ``ids`` carries (computed once per
+    record and ids: the check is linear in its text)."""
+    key = tuple(ids)
+    if record.hidden is None or record.hidden[0] != key:
+        record.hidden = (key, bool(hidden_text(record.text, signature, ids, markup)))
+    return record.hidden[1]
 
 
 def sentinel_messages(
