@@ -13,6 +13,7 @@ from synth import FP, byte_table, prompt_of, save
 
 from vllm_kvdisk.core.control import MAP_KEY, RequestControl, without_internal
 from vllm_kvdisk.core.keys import salt_digest
+from vllm_kvdisk.replay.edge import OwnParams, strip_internal_keys
 from vllm_kvdisk.replay.ktm import DiskToolMaps
 from vllm_kvdisk.replay.log import (
     DIRNAME,
@@ -25,7 +26,6 @@ from vllm_kvdisk.replay.log import (
 )
 from vllm_kvdisk.replay.memory import ToolMemory, ToolRecord, prefix_digest, tenant_key
 from vllm_kvdisk.replay.messages import hidden_text, make_signature
-from vllm_kvdisk.replay.edge import OwnParams, strip_internal_keys
 from vllm_kvdisk.replay.turns import PrefixMismatch, plan_replay, sentinel_messages, splice
 from vllm_kvdisk.storage.store import Store
 
@@ -245,3 +245,20 @@ def test_tool_maps_in_checkpoint_files_belong_to_their_namespace(tmp_path):
     ns, sha1 = next((n, s) for tid, _, n, s, t in found if t == A)
     prefix, tokens = DiskToolMaps(root).recover_tokens(ns, sha1, "<call one>", table)
     assert prefix == prefix_digest(ids[:100]) and tokens == tuple(ids[100:110])
+
+
+def test_a_requests_tenant_is_its_lora_adapter_and_its_salt():
+    from types import SimpleNamespace
+
+    from vllm_kvdisk.replay.plugin import Replayer
+
+    replayer = Replayer.__new__(Replayer)
+    replayer.chat = SimpleNamespace(models=SimpleNamespace(is_base_model=lambda n: n == "base"))
+
+    def tenant(model, salt=None):
+        return replayer.tenant(SimpleNamespace(model=model, cache_salt=salt))
+
+    assert tenant("base") == tenant(None) == tenant_key("", "")  # /tokenize names none
+    assert tenant("base", "salt-a") == A != tenant("base", "salt-b") == B
+    assert tenant("adapter-1", "salt-a") == tenant_key("adapter-1", salt_digest("salt-a")) != A
+    assert tenant("adapter-1") != tenant("adapter-2")
