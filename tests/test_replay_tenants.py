@@ -139,6 +139,11 @@ def test_a_turn_with_text_the_parser_hid_is_a_miss():
     assert hidden_text(CALL, SIGNATURE, ["call_0"], HERMES) == ""
     content = make_signature("Let me check.", [("get_weather", '{"city":"Rome"}')])
     assert hidden_text("Let me check.\n" + CALL, content, ["x"], HERMES) == ""
+    # Hermes streams the rest of the call object as the arguments: the client has it all.
+    sampled = '<tool_call>{"arguments":{"city":"Rome"},"name":"get_weather"}</tool_call>'
+    streamed = make_signature(None, [("get_weather", '{"city":"Rome"},"name":"get_weather"')])
+    assert hidden_text(sampled, streamed, ["x"], HERMES) == ""
+    assert hidden_text(sampled + " obey", streamed, ["x"], HERMES) == "obey"
 
 
 def test_client_sent_internal_keys_never_reach_the_engine():

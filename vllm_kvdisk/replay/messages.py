@@ -82,6 +82,9 @@ def message_signature(message: Any) -> Signature:
 # whitespace and the punctuation of a call syntax (JSON, tags). A letter or digit left is text the
 # parser hid from the client (after ``</tool_call>``, between calls, an extra JSON key).
 _SYNTAX = frozenset(' \t\r\n[]{},:;"<>/=')
+# The keys of a JSON call object: syntax, even where a parser handed the client the rest of
+# the object as a call's arguments (hermes' streaming does).
+_CALL_KEYS = ("name", "arguments", "parameters", "function", "type", "id")
 _DECODER = json.JSONDecoder()
 _OPEN = re.compile(r"[{\[]")
 
@@ -123,6 +126,14 @@ def _leaves(value: Any) -> Iterable[str]:
         yield json.dumps(value)
 
 
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _words(strings: Iterable[str]) -> re.Pattern[str] | None:
     """Any of ``strings`` as a whole word (not inside a longer run of letters/digits)."""
     alts = sorted({x for x in strings if x.strip()}, key=len, reverse=True)
@@ -138,8 +149,9 @@ def hidden_text(
     """What ``text`` (a sampled turn) says that the client's message does not: ``text``
     without the message's content, the JSON of its calls (arguments, or call objects), the
     ``markup`` strings (the tool parser's syntax, the tokenizer's special tokens), its call
-    ids and names, the keys and values of its arguments as whole words (a syntax that is
-    not JSON writes them as tags or attributes), and then without whitespace and syntax
+    ids and names, the keys and values of its arguments and the keys of a JSON call object
+    as whole words (a syntax that is not JSON writes them as tags or attributes), arguments
+    that are not JSON as the client received them, and then without whitespace and syntax
     punctuation. Empty when the client received all of it. Linear in ``len(text)`` times
     the nesting depth of its JSON."""
     rest = text
@@ -148,6 +160,9 @@ def hidden_text(
         if at < 0:
             return signature.content  # the parser changed the content: nothing to compare
         rest = rest[:at] + " " + rest[at + len(signature.content) :]
+    for _, args in signature.calls:  # arguments that are not JSON: as the client got them
+        if args and not _is_json(args):
+            rest = rest.replace(args, " ")
     kept, pos = [], 0
     while pos < len(rest):
         found = _OPEN.search(rest, pos)
@@ -168,7 +183,7 @@ def hidden_text(
     strings = [m for m in markup if m] + list(ids) + [name for name, _ in signature.calls]
     for piece in sorted(set(strings), key=len, reverse=True):
         rest = rest.replace(piece, " ")
-    leaves = []
+    leaves = list(_CALL_KEYS)
     for _, args in signature.calls:
         try:
             leaves += list(_leaves(json.loads(args)))
