@@ -219,7 +219,7 @@ def test_a_fifo_in_place_of_a_tool_call_log_never_hangs_the_reader(tmp_path, mon
 
     root = str(tmp_path / "kv")
     writer = ToolLog(root, "scope", 64)
-    assert writer.append(ToolCall(("call_1",), "text", (1, 2, 3)))
+    assert writer.append(ToolCall(("call_1",), "text", (1, 2, 3), "t", bytes(32)))
     reader = ToolLog(root, "scope", 64)
     logs = os.path.join(root, DIRNAME)
     victim = next(n for n in os.listdir(logs) if n.endswith(".ktl"))

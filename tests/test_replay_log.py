@@ -16,7 +16,9 @@ from vllm_kvdisk.replay.log import (
 
 
 def call(i: int) -> ToolCall:
-    return ToolCall((f"chatcmpl-tool-{i}",), f'<tool_call>{{"n": {i}}}</tool_call>', (1, 2, i))
+    return ToolCall(
+        (f"chatcmpl-tool-{i}",), f'<tool_call>{{"n": {i}}}</tool_call>', (1, 2, i), "t", bytes(32)
+    )
 
 
 def test_records_round_trip_and_damage_is_skipped_not_fatal():
@@ -145,7 +147,7 @@ def test_reading_a_large_log_takes_memory_bounded_by_a_window_not_by_the_log(tmp
     import tracemalloc
 
     os.makedirs(tmp_path / DIRNAME)
-    big = ToolCall(("other-model-call",), "x" * (64 << 10), (1, 2, 3))
+    big = ToolCall(("other-model-call",), "x" * (64 << 10), (1, 2, 3), "t", bytes(32))
     record = encode_record("another model", big)
     count = (24 << 20) // len(record)
     with open(tmp_path / DIRNAME / "host-1-dead.ktl", "wb") as fh:
@@ -167,10 +169,10 @@ def test_reading_a_large_log_takes_memory_bounded_by_a_window_not_by_the_log(tmp
 def test_records_larger_than_the_read_window_and_across_its_edges_are_read(tmp_path):
     os.makedirs(tmp_path / DIRNAME)
     calls = [
-        ToolCall((f"id-{i}",), "y" * n, tuple(range(i % 7)))
+        ToolCall((f"id-{i}",), "y" * n, tuple(range(i % 7)), "t", bytes(32))
         for i, n in enumerate([10, (1 << 20) - 3, 70_000, 1 << 20, 5, 300_000] * 3)
     ]
-    calls.append(ToolCall(("many-tokens",), "z", tuple(range(1 << 18))))
+    calls.append(ToolCall(("many-tokens",), "z", tuple(range(1 << 18)), "t", bytes(32)))
     with open(tmp_path / DIRNAME / "host-2-dead.ktl", "wb") as fh:
         for c in calls:
             fh.write(encode_record("tok", c))

@@ -15,9 +15,15 @@ import json
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from vllm_kvdisk.replay.memory import ToolMemory, ToolRecord
+from vllm_kvdisk.replay.memory import ToolMemory, ToolRecord, prefix_digest
 from vllm_kvdisk.replay.messages import make_signature
-from vllm_kvdisk.replay.turns import plan_replay, sentinel_messages, splice, turn_opening
+from vllm_kvdisk.replay.turns import (
+    PrefixMismatch,
+    plan_replay,
+    sentinel_messages,
+    splice,
+    turn_opening,
+)
 
 HERMES = (  # Qwen2.5 / Hermes: a newline before each call, none after the header if no content
     "{% for m in messages %}"
@@ -112,6 +118,21 @@ CASES = {
     ),
 }
 IDS = ["a1B2c3D4e", "f5G6h7I8j"]
+# The syntax each template's tool parser declares (vLLM's parsers: ``*_token`` attributes).
+MARKUP = {
+    HERMES: ["<tool_call>", "</tool_call>", "<|im_end|>"],
+    LLAMA3: ["<|python_tag|>", "<|eot_id|>"],
+    MISTRAL: ["[TOOL_CALLS]", "</s>"],
+    DSML: [
+        "<｜DSML｜function_calls>",
+        "</｜DSML｜function_calls>",
+        '<｜DSML｜invoke name="',
+        "</｜DSML｜invoke>",
+        '<｜DSML｜parameter name="',
+        'string="true"',
+        "</｜DSML｜parameter>",
+    ],
+}
 
 
 def render(template: str, messages: list, add_generation_prompt: bool) -> str:
@@ -166,7 +187,7 @@ def conversation(content, calls):
 
 
 def replayed(template: str, messages: list, memory: ToolMemory, with_opening: bool = True):
-    plan = plan_replay(messages, memory, sign=lambda r: None)
+    plan = plan_replay(messages, memory, sign=lambda r: None, markup=MARKUP[template])
     swapped, sentinels = sentinel_messages(messages, plan.replays)
     text = render(template, swapped, add_generation_prompt=True)
     opening = None
@@ -190,9 +211,10 @@ def test_the_whole_turn_renders_exactly_as_sampled(case):
         sampled,
         tuple(encode(sampled)),
         make_signature(content, [("get_weather", json.dumps(a)) for a in calls]),
+        prefix=prefix_digest(encode(prompt1)),
     )
     for tid in IDS[: len(calls)]:
-        memory.put(tid, record)
+        memory.put("", tid, record)
     as_usual = render(template, messages, add_generation_prompt=True)
     assert not as_usual.startswith(prompt1 + sampled)  # the template alone loses the hit
     plan, (ids, text) = replayed(template, messages, memory)
@@ -214,11 +236,16 @@ def test_mistrals_space_before_content_needed_the_turn_opening():
         sampled,
         tuple(encode(sampled)),
         make_signature(content, [("get_weather", json.dumps(a)) for a in calls]),
+        prefix=prefix_digest(encode(prompt1)),
     )
     for tid in IDS:
-        memory.put(tid, record)
+        memory.put("", tid, record)
+    with pytest.raises(PrefixMismatch):  # the space is not in the prompt it was sampled after
+        replayed(template, messages, memory, with_opening=False)
+    record.prefix = prefix_digest(encode(prompt1 + " "))
     _, (_, without) = replayed(template, messages, memory, with_opening=False)
     assert without.startswith(prompt1 + " " + sampled)
+    record.prefix = prefix_digest(encode(prompt1))
     _, (_, with_opening) = replayed(template, messages, memory)
     assert with_opening.startswith(prompt1 + sampled)
 
@@ -228,17 +255,19 @@ def test_a_partly_known_turn_renders_as_the_template_does_and_says_why():
     _, messages = conversation(content, calls)
     memory = ToolMemory(10)
     memory.put(
+        "",
         IDS[0],
         ToolRecord(
             sampled,
             tuple(encode(sampled)),
             make_signature(content, [("get_weather", json.dumps(a)) for a in calls]),
+            prefix=bytes(32),
         ),
     )
     plan = plan_replay(messages, memory, sign=lambda r: None)
     assert not plan.replays and plan.notes == ["message 2: 1 of 2 call(s) unknown"]
     assert plan.summary().endswith("(as the template renders: message 2: 1 of 2 call(s) unknown)")
-    memory.put(IDS[1], memory.get(IDS[0]))
+    memory.put("", IDS[1], memory.get("", IDS[0]))
     messages[2]["tool_calls"][1]["function"]["arguments"] = json.dumps({"city": "Oslo"})
     plan = plan_replay(messages, memory, sign=lambda r: None)
     assert not plan.replays and plan.notes == ["message 2: it differs from what was sampled"]

@@ -87,6 +87,13 @@ class KVDiskConfig:
     tool_memory_max_ids: int = knob(
         100000, "size of the tool-call replay map (LRU; 0 turns replay off)", minimum=0
     )
+    tool_memory_max_mb: int = knob(
+        256,
+        "most memory the tool-call replay map holds (sampled text and token ids; LRU), and "
+        "about the most each API server's tool-call log (ROOT/toolmap) grows to",
+        minimum=1,
+        unit="MiB",
+    )
     kv_cache_reject_different_quant: bool = knob(
         False, "accepted for ds4 compatibility: a checkpoint of another KV dtype is always a miss"
     )

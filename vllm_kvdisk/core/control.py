@@ -11,7 +11,10 @@ value is ignored (and logged once), never an error inside the engine step::
 
 ``kvdisk_tool_map`` (set by the tool-call replay plugin, ``[[id, exact text], ...]``) is
 read here too: at most :data:`MAX_TOOL_PAIRS` pairs of at most :data:`MAX_TOOL_BYTES` in
-all, each kept only if the checkpoint's text contains it.
+all, each kept only if the checkpoint's text contains it. Every ``kvdisk_*`` key is
+internal: the API server removes it from what a client sends (:func:`without_internal`,
+applied by the replay plugin to every request before it reaches the engine), so a map
+here is always the server's own.
 
 Invariant: :meth:`RequestControl.from_request` is the only reader of client values and
 never raises; everything it keeps is usable as is (strings that encode to UTF-8 within
@@ -31,6 +34,7 @@ log = get_logger(__name__)
 
 CONTROL_KEY = "kvdisk"
 MAP_KEY = "kvdisk_tool_map"  # the replay plugin's key
+INTERNAL_PREFIX = "kvdisk_"  # keys the server writes for itself; never a client's
 MAX_TOOL_PAIRS = 64
 MAX_TOOL_BYTES = 256 << 10
 MAX_SAVE_TOKENS = 1 << 40  # more than any context: a larger cap is no cap
@@ -55,6 +59,18 @@ def _brief(value: Any) -> str:
     if isinstance(value, float):
         return repr(value)
     return f"a {type(value).__name__}"
+
+
+def is_internal(key: Any) -> bool:
+    return isinstance(key, str) and key.startswith(INTERNAL_PREFIX)
+
+
+def without_internal(params: Any) -> Any:
+    """``kv_transfer_params`` as a client may send them: without the internal keys (a new
+    dict when there were any; anything that is not a dict is returned as is)."""
+    if not isinstance(params, dict) or not any(is_internal(k) for k in params):
+        return params
+    return {k: v for k, v in params.items() if not is_internal(k)}
 
 
 def _params(request: Any) -> dict[str, Any]:

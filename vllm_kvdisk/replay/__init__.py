@@ -8,13 +8,19 @@ exact block the model generated and re-emits that block instead. So do we.
 
 Three maps from a tool-call id, each in its own module:
 
-* :mod:`.memory`: in memory, id -> the sampled turn (text, token ids, what the client
-  saw), an LRU of ``tool_memory_max_ids`` ids;
+* :mod:`.memory`: in memory, (tenant, id) -> the sampled turn (text, token ids, what the
+  client saw, the digest of the prompt it was sampled after), an LRU of at most
+  ``tool_memory_max_ids`` ids and ``tool_memory_max_mb``;
 * :mod:`.log`: the **tool-call log** (``ROOT/toolmap/*.ktl``), every call this process
   returned, appended before the response leaves, read by every API server and after a
   restart;
 * :mod:`.ktm`: the **KTM sections** of checkpoint files (id -> exact text, no ids), the
-  seed's map, written by the connector from ``kv_transfer_params["kvdisk_tool_map"]``.
+  seed's map, written by the connector from ``kv_transfer_params["kvdisk_tool_map"]``
+  (which only this plugin writes: a client's ``kvdisk_*`` keys are dropped at the edge),
+  each pair under its file's namespace.
+
+Every record carries its scope (tenant and prompt digest): nothing replays into another
+tenant's request, after another prompt, or with text the client did not receive.
 
 And the modules that use them, in import order: :mod:`.messages` (what a message says,
 normalised), :mod:`.turns` (which turns replay; sentinels and splicing),

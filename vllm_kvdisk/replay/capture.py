@@ -20,15 +20,26 @@ log = get_logger(__name__)
 
 
 class Remembers(Protocol):
-    def remember(self, token_ids: list[int], ids: list[str], signature: Signature) -> None: ...
+    def remember(
+        self,
+        token_ids: list[int],
+        ids: list[str],
+        signature: Signature,
+        tenant: str,
+        prompt_ids: list[int] | None,
+    ) -> None: ...
 
 
 class Tap:
-    """Passes the engine's outputs through and keeps each choice's sampled token ids."""
+    """Passes the engine's outputs through and keeps each choice's sampled token ids and
+    the prompt's token ids (what the turn was sampled after), for a request of
+    ``tenant``."""
 
-    def __init__(self, source: Any, *, delta: bool):
+    def __init__(self, source: Any, *, delta: bool, tenant: str = ""):
         self._source = source
         self._delta = delta
+        self.tenant = tenant
+        self.prompt: list[int] | None = None
         self.tokens: dict[int, list[int]] = {}
 
     def __aiter__(self) -> Tap:
@@ -36,6 +47,8 @@ class Tap:
 
     async def __anext__(self) -> Any:
         out = await self._source.__anext__()
+        if self.prompt is None and getattr(out, "prompt_token_ids", None):
+            self.prompt = list(out.prompt_token_ids)
         for output in getattr(out, "outputs", None) or []:
             ids = list(output.token_ids or [])
             if self._delta:
@@ -104,6 +117,12 @@ def _remember_stream(replayer: Remembers, choices: dict[int, dict[str, Any]], ta
                 [(c["name"], "".join(c["args"])) for c in calls],
                 "".join(state["reasoning"]),
             )
-            replayer.remember(tap.tokens.get(index, []), [c["id"] for c in calls], signature)
+            replayer.remember(
+                tap.tokens.get(index, []),
+                [c["id"] for c in calls],
+                signature,
+                tap.tenant,
+                tap.prompt,
+            )
     except Exception:  # noqa: BLE001
         log.exception("kvdisk replay: could not record a streamed response")

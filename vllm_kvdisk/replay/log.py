@@ -9,20 +9,26 @@ start-up and tails them.
 Layout: ``ROOT/toolmap/<host>-<pid>-<random>.ktl`` (0600), one per writing process, which
 holds an exclusive ``flock`` on it while alive. A record::
 
-    magic "KTL1" | u32 body length | u64 xxh3-64 of the body | body
-    body: u16 scope length, scope (the tokenizer's identity: records of another model's
-          tokenizer are never used) | u32 id count (1..128) | u32 text length (<= 1 MiB) |
-          u32 token count (<= 2^18) | per id: u16 length (1..1024), id bytes |
-          text (UTF-8) | token ids (u32 each)
+    magic "KTL2" | u32 body length | u64 xxh3-64 of the body | body
+    body: u16 scope length, scope (the model and its tokenizer's identity: records of
+          another model are never used) | u16 tenant length, tenant (the replay scope of
+          the request: LoRA adapter and cache salt digest, hashed) | 32 bytes prefix digest
+          (of the prompt the turn was sampled after) | u32 id count (1..128) | u32 text
+          length (<= 1 MiB) | u32 token count (<= 2^18) | per id: u16 length (1..1024), id
+          bytes | text (UTF-8) | token ids (u32 each)
 
-All integers little-endian. A bad record (wrong checksum, a length past its limit) is
-logged once and skipped by searching for the next magic; an incomplete last record is a
-write in progress (or a crash) and is read again later. Bounded: a writer whose log holds
-more than ``max_ids`` + 1024 records rewrites it with the newest ``max_ids`` (temp file,
-fsync, rename); at start-up, a dead writer's log that holds only the reader's own scope is
-folded into the reader's own log and deleted. A log that holds another scope's records
-(another model's server shares the directory) is left for that model's servers: folding
-must never lose a call another model may still replay. Pure: standard library and xxhash.
+All integers little-endian. A record carries its whole scope, so after a restart a call
+replays only for the tenant and after the prompt it was returned for. A bad record (wrong
+checksum, a length past its limit) is logged once and skipped by searching for the next
+magic; a ``KTL1`` record (an earlier version, without tenant or prefix) is skipped
+silently: it can never replay. An incomplete last record is a write in progress (or a
+crash) and is read again later. Bounded: a writer whose log holds more than ``max_ids`` +
+1024 records, or more than ``max_bytes`` + 1/4 of it, rewrites it with the newest records
+the replay memory holds (at most ``max_ids`` ids and ``max_bytes``; temp file, fsync,
+rename); at start-up, a dead writer's log that holds only the reader's own scope is folded
+into the reader's own log and deleted. A log that holds another scope's records (another
+model's server shares the directory) is left for that model's servers: folding must never
+lose a call another model may still replay. Pure: standard library and xxhash.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import socket
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -48,7 +54,9 @@ log = get_logger(__name__)
 
 DIRNAME = "toolmap"
 SUFFIX = ".ktl"
-MAGIC = b"KTL1"
+MAGIC = b"KTL2"
+LEGACY_MAGIC = b"KTL1"  # no tenant, no prefix: skipped, never replayed
+PREFIX_BYTES = 32
 HEAD = struct.Struct("<4sIQ")
 COUNTS = struct.Struct("<III")
 MAX_IDS_PER_RECORD = 128
@@ -64,16 +72,21 @@ SLACK_RECORDS = 1024
 class ToolCall:
     ids: tuple[str, ...]
     text: str
-    token_ids: tuple[int, ...]
+    token_ids: Sequence[int]
+    tenant: str
+    prefix: bytes  # PREFIX_BYTES
 
 
 def encode_record(scope: str, call: ToolCall) -> bytes:
     raw_scope = scope.encode()
+    raw_tenant = call.tenant.encode()
     raw_ids = [i.encode() for i in call.ids]
     raw_text = call.text.encode()
     if (
         not 1 <= len(raw_ids) <= MAX_IDS_PER_RECORD
         or len(raw_scope) > 0xFFFF
+        or len(raw_tenant) > 0xFFFF
+        or len(call.prefix) != PREFIX_BYTES
         or any(not 1 <= len(i) <= MAX_ID_BYTES for i in raw_ids)
         or len(raw_text) > MAX_TEXT_BYTES
         or len(call.token_ids) > MAX_TOKENS
@@ -82,6 +95,9 @@ def encode_record(scope: str, call: ToolCall) -> bytes:
     parts = [
         struct.pack("<H", len(raw_scope)),
         raw_scope,
+        struct.pack("<H", len(raw_tenant)),
+        raw_tenant,
+        call.prefix,
         COUNTS.pack(len(raw_ids), len(raw_text), len(call.token_ids)),
     ]
     for raw in raw_ids:
@@ -96,6 +112,13 @@ def decode_body(body: bytes) -> tuple[str, ToolCall]:
     (scope_len,) = struct.unpack_from("<H", body, 0)
     pos = 2 + scope_len
     scope = body[2:pos].decode()
+    (tenant_len,) = struct.unpack_from("<H", body, pos)
+    tenant = body[pos + 2 : pos + 2 + tenant_len].decode()
+    pos += 2 + tenant_len
+    prefix = bytes(body[pos : pos + PREFIX_BYTES])
+    if len(prefix) != PREFIX_BYTES:
+        raise ValueError("record too short for its prefix digest")
+    pos += PREFIX_BYTES
     n_ids, text_len, n_tokens = COUNTS.unpack_from(body, pos)
     pos += COUNTS.size
     if not 1 <= n_ids <= MAX_IDS_PER_RECORD or text_len > MAX_TEXT_BYTES or n_tokens > MAX_TOKENS:
@@ -112,7 +135,7 @@ def decode_body(body: bytes) -> tuple[str, ToolCall]:
     if pos + 4 * n_tokens != len(body):
         raise ValueError("record lengths do not add up")
     tokens = struct.unpack_from(f"<{n_tokens}I", body, pos)
-    return scope, ToolCall(tuple(ids), text, tuple(tokens))
+    return scope, ToolCall(tuple(ids), text, tuple(tokens), tenant, prefix)
 
 
 @dataclass(slots=True)
@@ -138,6 +161,15 @@ def scan_records(buf: bytes | bytearray, scope: str) -> Scan:
     with memoryview(buf) as view:
         while pos + HEAD.size <= len(buf):
             magic, length, checksum = HEAD.unpack_from(buf, pos)
+            if magic == LEGACY_MAGIC and length <= MAX_BODY:
+                # An earlier version's record: whole or not, it never replays (it has no
+                # scope); skip its length, or search on if it is damaged.
+                end = pos + HEAD.size + length
+                if end > len(buf):
+                    break
+                if xxhash.xxh3_64_intdigest(view[pos + HEAD.size : end]) == checksum:
+                    pos = end
+                    continue
             if magic != MAGIC or length > MAX_BODY:
                 bad += 1
                 nxt = buf.find(MAGIC, pos + 1)
@@ -193,9 +225,11 @@ def read_records(fd: int, start: int, size: int, scope: str) -> Scan:
 class ToolLog:
     """This process's log plus a reader of everyone's. Thread-safe."""
 
-    def __init__(self, root: str, scope: str, max_ids: int):
+    def __init__(self, root: str, scope: str, max_ids: int, max_bytes: int | None = None):
         self.scope = scope
         self.max_ids = max_ids
+        self.max_bytes = max_bytes
+        self._bytes = 0  # this process's log
         self._lock = threading.Lock()
         self._offsets: dict[str, int] = {}  # file -> bytes consumed
         self._foreign: set[str] = set()  # files holding another scope's records
@@ -231,6 +265,7 @@ class ToolLog:
         with contextlib.suppress(OSError):
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._records = 0
+        self._bytes = 0
         self._offsets[self._name] = 0
 
     def append(self, call: ToolCall, newest: Callable[[], list[ToolCall]] | None = None) -> bool:
@@ -246,15 +281,23 @@ class ToolLog:
             try:
                 if self._fd is None:
                     self._open_own()
-                elif self._records >= self.max_ids + SLACK_RECORDS and newest is not None:
+                elif self._too_big(len(record)) and newest is not None:
                     self._compact(newest())
                 os.write(self._fd, record)
                 self._records += 1
+                self._bytes += len(record)
                 self._offsets[self._name] += len(record)
                 return True
             except OSError as exc:
                 log.warning("kvdisk replay: could not record a tool call: %s", exc)
                 return False
+
+    def _too_big(self, adding: int) -> bool:
+        if self._records >= self.max_ids + SLACK_RECORDS:
+            return True
+        if self.max_bytes is None:
+            return False
+        return self._bytes + adding > self.max_bytes + max(self.max_bytes // 4, READ_CHUNK)
 
     def _compact(self, keep: list[ToolCall]) -> None:
         """Rewrite this process's log with only ``keep`` (the newest calls)."""
@@ -264,6 +307,7 @@ class ToolLog:
         os.write(self._fd, body)
         os.fsync(self._fd)
         self._records = min(len(keep), self.max_ids)
+        self._bytes = len(body)
         self._offsets[self._name] = len(body)
         if old_fd is not None:
             os.close(old_fd)

@@ -17,6 +17,11 @@ each request's ``cache_salt`` from its tenant) in front of vLLM's handlers. ``in
 configures the gate and wraps, on the app's own handler objects (instance
 attributes; no vLLM class is patched):
 
+* ``engine_client.generate``: every request of every endpoint loses the internal
+  ``kvdisk_*`` keys a client put in its ``kv_transfer_params`` (a planted tool map); only
+  the map this plugin wrote itself (a dict of its own type) passes. Installed even with
+  replay off;
+
 * ``OpenAIServingChat.render_chat_request``: plans the replay (which assistant messages
   carry known ids with unchanged arguments), renders, then adds ``kvdisk_tool_map`` to the
   request's ``kv_transfer_params`` (merged with the client's) and writes the trace line;
@@ -25,34 +30,48 @@ attributes; no vLLM class is patched):
   re-tokenize);
 * ``chat_completion_full_generator`` / ``chat_completion_stream_generator``: see each
   response's tool-call ids (as sent to the client, streamed or not) beside the token ids the
-  engine sampled, and remember them;
+  engine sampled and the prompt's, and remember them under the request's tenant (LoRA
+  adapter and cache salt) and the digest of that prompt;
 * ``ServingTokenization.create_tokenize``: ``/tokenize`` shows the same prompt as a chat.
 
 Settings come from the kvdisk ``kv_connector_extra_config`` the engine was started with:
 ``kv_disk_dir`` (KTM sections are read from it at start-up, in a thread),
-``tool_memory_max_ids`` (0 turns replay off) and ``trace``. Nothing here can fail a request:
-any error renders the request as usual and is logged.
+``tool_memory_max_ids`` (0 turns replay off), ``tool_memory_max_mb`` and ``trace``.
+Nothing here can fail a request: any error renders the request as usual and is logged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import hashlib
 import os
 import threading
 import time
 from importlib.metadata import entry_points
 from typing import Any
 
-from vllm_kvdisk.core.control import MAP_KEY
+from vllm_kvdisk.api.tenancy import STATE_KEY
+from vllm_kvdisk.core.control import MAP_KEY, without_internal
+from vllm_kvdisk.core.keys import salt_digest
 from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.replay.capture import Tap, capture_stream
+from vllm_kvdisk.replay.edge import OwnParams, strip_internal_keys
 from vllm_kvdisk.replay.ktm import DiskToolMaps
-from vllm_kvdisk.replay.log import ToolCall, ToolLog, newest_calls
-from vllm_kvdisk.replay.memory import ToolMemory, ToolRecord, exact_text, strip_stop
+from vllm_kvdisk.replay.log import ToolCall, ToolLog
+from vllm_kvdisk.replay.memory import (
+    ToolMemory,
+    ToolRecord,
+    compact_ids,
+    exact_text,
+    prefix_digest,
+    strip_stop,
+    tenant_key,
+)
 from vllm_kvdisk.replay.messages import Signature, make_signature, message_tool_ids
 from vllm_kvdisk.replay.turns import (
     Plan,
+    PrefixMismatch,
     TurnOpening,
     plan_replay,
     sentinel_messages,
@@ -67,6 +86,21 @@ GENERAL_PLUGIN_NAME = "kvdisk"
 DISK_POLL_INTERVAL_S = 2.0
 STARTUP_LOAD_WAIT_S = 30.0
 _ACTIVE: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("kvdisk_replay", default=None)
+# The cache salt the tenancy gate chose for a request whose body has no such field.
+_GATE_SALT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "kvdisk_gate_salt", default=None
+)
+
+
+def root_salt_key(kv_dir: str) -> bytes:
+    """The cache directory's key of salt digests, made if the engine has not made it yet."""
+    from vllm_kvdisk.storage import secret
+
+    fd = os.open(kv_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return secret.salt_key(fd, create=True) or b""
+    finally:
+        os.close(fd)
 
 
 # Plugins that treat being named in VLLM_PLUGINS as an opt-in (the Hub LoRA resolver
@@ -117,7 +151,8 @@ class ReplayPlugin:
         if engine_client is None:
             return
         config = kvdisk_config(engine_client.vllm_config)
-        if config is not None:
+        if config is not None:  # with replay off too: no client plants a map for others
+            strip_internal_keys(engine_client)
             self.tenancy.configure(
                 config.kv_tenant_from, config.kv_tenant_header, config.kv_tenant_required
             )
@@ -138,7 +173,8 @@ class ReplayPlugin:
             log.info("kvdisk replay: tool_memory_max_ids is 0; tool-call replay is off")
             return
         try:
-            replayer = Replayer(config, engine_client.renderer, chat)
+            model = str(engine_client.vllm_config.model_config.model)
+            replayer = Replayer(config, engine_client.renderer, chat, model)
         except Exception as exc:  # noqa: BLE001 - never stop the server for an optional feature
             log.warning("kvdisk replay: off (%s)", exc)
             return
@@ -159,7 +195,7 @@ def kvdisk_config(vllm_config: Any) -> Any:
 
 
 class Replayer:
-    def __init__(self, config: Any, renderer: Any, chat: Any):
+    def __init__(self, config: Any, renderer: Any, chat: Any, model: str = ""):
         from vllm_kvdisk.core.tokens import table_from_tokenizer
         from vllm_kvdisk.ops.trace import Trace
 
@@ -168,10 +204,18 @@ class Replayer:
         self.table = table_from_tokenizer(self.tokenizer)
         self.special_ids = set(getattr(self.tokenizer, "all_special_ids", []) or [])
         self.chat = chat
-        self.memory = ToolMemory(config.tool_memory_max_ids)
+        self.model = model
+        # The root's key of cache-salt digests (storage/secret.py): a request's tenant is
+        # named by the same keyed digest as its namespace.
+        self.salt_key = root_salt_key(config.kv_disk_dir)
+        max_bytes = config.tool_memory_max_mb << 20
+        self.memory = ToolMemory(config.tool_memory_max_ids, max_bytes)
         self.trace = Trace.from_config(config)
         self.disk = DiskToolMaps(config.kv_disk_dir)
-        self.log = ToolLog(config.kv_disk_dir, self.table.digest(), config.tool_memory_max_ids)
+        # The log's scope: this tokenizer and this model (records of others are skipped).
+        scope = self.table.digest() + ":" + hashlib.sha256(model.encode()).hexdigest()[:16]
+        self.log = ToolLog(config.kv_disk_dir, scope, config.tool_memory_max_ids, max_bytes)
+        self.markup = self._markup()
         self._loaded = threading.Event()
         self._last_poll = 0.0
         threading.Thread(target=self._initial_load, name="kvdisk-replay-load", daemon=True).start()
@@ -181,7 +225,7 @@ class Replayer:
         started = time.monotonic()
         try:
             calls = self._poll_log()
-            folded = self.log.fold_dead(newest_calls(calls, self.memory.max_ids))
+            folded = self.log.fold_dead(self._newest())
             from_log = sum(len(c.ids) for c in calls)
             from_files = self._poll_files()
             log.info(
@@ -201,28 +245,87 @@ class Replayer:
         """Tool calls other API servers (or this one before a restart) returned."""
         calls = self.log.poll()
         for call in calls:
-            record = ToolRecord(call.text, call.token_ids, None, origin="disk")
+            record = ToolRecord(
+                call.text,
+                compact_ids(call.token_ids),
+                None,
+                origin="disk",
+                tenant=call.tenant,
+                prefix=call.prefix,
+            )
             for tid in call.ids:
-                self.memory.add_if_absent(tid, record)
+                self.memory.add_if_absent(call.tenant, tid, record)
         return calls
 
     def _poll_files(self) -> int:
-        """The KTM sections of checkpoint files (the seed's tool map; no token ids)."""
+        """The KTM sections of this model's checkpoint files (the seed's tool map; no
+        token ids), each under the tenant of its file's namespace."""
         added = 0
-        for tid, text, ns, sha1 in self.disk.poll():
-            added += self.memory.add_if_absent(
-                tid, ToolRecord(text, None, None, origin="disk", source=(ns, sha1))
-            )
+        for tid, text, ns, sha1, tenant in self.disk.poll(self._namespace_tenant):
+            record = ToolRecord(text, None, None, origin="disk", source=(ns, sha1), tenant=tenant)
+            added += self.memory.add_if_absent(tenant, tid, record)
         return added
+
+    def _namespace_tenant(self, info: dict[str, Any]) -> str | None:
+        """The tenant of a namespace whose ``namespace.json`` says ``info``; None for
+        another model's."""
+        if info.get("model") != self.model:
+            return None
+        lora, salt = info.get("lora", ""), info.get("salt_digest", "")
+        if not isinstance(lora, str) or not isinstance(salt, str):
+            return None
+        return tenant_key(lora, salt)
+
+    def tenant(self, request: Any) -> str:
+        """A request's replay scope within this model: its LoRA adapter (the ``model`` it
+        names, unless that is the base model) and its cache salt (digest)."""
+        name = getattr(request, "model", None) or ""
+        models = getattr(self.chat, "models", None)
+        try:
+            base = not name or (models is not None and models.is_base_model(name))
+        except Exception:  # noqa: BLE001 - unknown: its own scope, never the base's
+            base = False
+        lora = "" if base else str(name)
+        salt = getattr(request, "cache_salt", None) or _GATE_SALT.get()
+        return tenant_key(lora, salt_digest(salt, key=self.salt_key))
+
+    def _markup(self) -> list[str]:
+        """The strings of tool-call syntax a client is not shown: the tool parser's tags
+        (its ``*_token`` attributes) and the tokenizer's special tokens."""
+        out = [str(t) for t in getattr(self.tokenizer, "all_special_tokens", None) or []]
+        parser_cls = getattr(self.chat, "parser_cls", None)
+        if parser_cls is None:
+            return out
+        holders: list[Any] = [parser_cls, getattr(parser_cls, "tool_parser_cls", None)]
+        try:
+            parser = parser_cls(
+                self.tokenizer,
+                None,
+                chat_template_kwargs={},
+                model_config=self.chat.model_config,
+            )
+            holders += [parser, getattr(parser, "_tool_parser", None)]
+        except Exception as exc:  # noqa: BLE001 - the class attributes are still there
+            log.debug("kvdisk replay: no tool parser instance: %s", exc)
+        for holder in holders:
+            for name in dir(holder) if holder is not None else []:
+                if name.endswith(("_token", "_tokens")) and not name.startswith("__"):
+                    try:
+                        value = getattr(holder, name, None)
+                    except Exception:  # noqa: BLE001 - a property that needs state
+                        continue
+                    values = value if isinstance(value, (list, tuple, set)) else [value]
+                    out += [v for v in values if isinstance(v, str) and v]
+        return sorted(set(out))
 
     def _poll_disk(self) -> None:
         self._last_poll = time.monotonic()
         self._poll_log()
         self._poll_files()
 
-    async def _refresh_for(self, ids: list[str]) -> None:
+    async def _refresh_for(self, tenant: str, ids: list[str]) -> None:
         """Unknown ids: wait for the start-up load, and look for files written since."""
-        if all(tid in self.memory for tid in ids):
+        if all(self.memory.contains(tenant, tid) for tid in ids):
             return
         if not self._loaded.is_set():
             await asyncio.to_thread(self._loaded.wait, STARTUP_LOAD_WAIT_S)
@@ -272,25 +375,31 @@ class Replayer:
         ids = [tid for m in messages for tid in message_tool_ids(m)]
         if not ids:
             return None
-        await self._refresh_for(ids)
+        tenant = self.tenant(request)
+        await self._refresh_for(tenant, ids)
         tools = getattr(request, "tools", None)
-        plan = plan_replay(messages, self.memory, lambda r: self._sign(r, tools))
+        plan = plan_replay(
+            messages, self.memory, lambda r: self._sign(r, tools), tenant, self.markup
+        )
         if getattr(request, "add_special_tokens", False) and plan.replays:
             plan.fallback, plan.replays = "add_special_tokens is set", []
         for replay in plan.replays:
             record = replay.record
             if record.token_ids is None and record.source is not None:
-                source, record.source = record.source, None  # one try; else its text is tokenized
-                record.token_ids = await asyncio.to_thread(
+                source, record.source = record.source, None  # one try; else never replayed
+                found = await asyncio.to_thread(
                     self.disk.recover_tokens, *source, record.text, self.table
                 )
+                if found is not None:
+                    record.prefix, tokens = found
+                    record.token_ids = compact_ids(tokens)
         return plan
 
     def finish(self, request: Any, plan: Plan) -> None:
         self.trace.replay(plan.summary())
         if not plan.replays or not hasattr(request, "kv_transfer_params"):
             return
-        params = dict(request.kv_transfer_params or {})
+        params = OwnParams(without_internal(request.kv_transfer_params) or {})
         params[MAP_KEY] = plan.tool_map()
         request.kv_transfer_params = params
 
@@ -299,24 +408,33 @@ class Replayer:
         plan = _ACTIVE.get()
         if plan is None or not plan.replays:
             return await original(messages, params)
-        swapped, sentinels = sentinel_messages(messages, plan.replays)
-        try:
-            conversation, prompt = await original(swapped, params)
-            text = prompt.get("prompt") if isinstance(prompt, dict) else None
-            if (
-                not isinstance(text, str)
-                or "prompt_token_ids" in prompt
-                or "multi_modal_data" in prompt
-            ):
-                result, why = None, "the renderer does not produce text"
-            else:
-                opening = await self._opening(original, params, sentinels[0])
-                result = await asyncio.to_thread(
-                    splice, text, sentinels, plan.replays, self._encode, opening
-                )
-                why = "the chat template did not render a replayed message verbatim"
-        except Exception as exc:  # noqa: BLE001 - e.g. a template that insists on tool_calls
-            result, why = None, f"rendering failed: {exc}"
+        result, opening = None, None
+        while plan.replays:  # each round drops the first turn whose prompt differs
+            swapped, sentinels = sentinel_messages(messages, plan.replays)
+            try:
+                conversation, prompt = await original(swapped, params)
+                text = prompt.get("prompt") if isinstance(prompt, dict) else None
+                if (
+                    not isinstance(text, str)
+                    or "prompt_token_ids" in prompt
+                    or "multi_modal_data" in prompt
+                ):
+                    result, why = None, "the renderer does not produce text"
+                else:
+                    if opening is None:
+                        opening = await self._opening(original, params, sentinels[0])
+                    result = await asyncio.to_thread(
+                        splice, text, sentinels, plan.replays, self._encode, opening
+                    )
+                    why = "the chat template did not render a replayed message verbatim"
+            except PrefixMismatch as miss:
+                plan.drop_from(miss.index, "it was sampled after another prompt")
+                continue
+            except Exception as exc:  # noqa: BLE001 - e.g. a template that insists on tool_calls
+                result, why = None, f"rendering failed: {exc}"
+            break
+        else:
+            return await original(messages, params)
         if result is None:
             plan.fallback, plan.replays = why, []
             return await original(messages, params)
@@ -361,24 +479,33 @@ class Replayer:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     # -- capture ------------------------------------------------------------------------
-    def remember(self, token_ids: list[int], ids: list[str], signature: Signature) -> None:
-        if not ids or signature.reasoning:
+    def remember(
+        self,
+        token_ids: list[int],
+        ids: list[str],
+        signature: Signature,
+        tenant: str,
+        prompt_ids: list[int] | None,
+    ) -> None:
+        if not ids or signature.reasoning or not prompt_ids:
             return  # reasoning turns: templates drop or reformat reasoning; never replayed
         sampled = strip_stop(token_ids, self.special_ids)
         text = exact_text(self.table, sampled)
         if text is None:
             return
-        record = ToolRecord(text, tuple(sampled), signature, origin="memory")
+        prefix = prefix_digest(prompt_ids)
+        tokens = compact_ids(sampled)
+        record = ToolRecord(text, tokens, signature, "memory", tenant=tenant, prefix=prefix)
         for tid in ids:
-            self.memory.put(tid, record)
+            self.memory.put(tenant, tid, record)
         # Durable before the response leaves: a restart right after it still replays.
-        self.log.append(ToolCall(tuple(ids), text, tuple(sampled)), self._newest)
+        self.log.append(ToolCall(tuple(ids), text, tokens, tenant, prefix), self._newest)
 
     def _newest(self) -> list[ToolCall]:
         return [
-            ToolCall(tuple(ids), r.text, r.token_ids)
+            ToolCall(tuple(ids), r.text, r.token_ids, r.tenant, r.prefix)
             for ids, r in self.memory.records()
-            if r.token_ids is not None
+            if r.token_ids is not None and r.prefix is not None
         ]
 
     def remember_response(self, response: Any, tap: Tap) -> None:
@@ -392,7 +519,13 @@ class Replayer:
                 [(c.function.name, c.function.arguments) for c in calls],
                 getattr(message, "reasoning", None),
             )
-            self.remember(tap.tokens.get(choice.index, []), [c.id for c in calls], signature)
+            self.remember(
+                tap.tokens.get(choice.index, []),
+                [c.id for c in calls],
+                signature,
+                tap.tenant,
+                tap.prompt,
+            )
 
     # -- installation -------------------------------------------------------------------
     def install(self, chat: Any, tokenization: Any) -> None:
@@ -407,6 +540,7 @@ class Replayer:
         render_chat_request = chat.render_chat_request
 
         async def planned_render_chat_request(request):
+            request.kv_transfer_params = without_internal(request.kv_transfer_params)
             plan = await replayer._safe_prepare(request)
             token = _ACTIVE.set(plan)
             try:
@@ -422,7 +556,7 @@ class Replayer:
         full_generator = chat.chat_completion_full_generator
 
         async def chat_completion_full_generator(request, result_generator, *args, **kwargs):
-            tap = Tap(result_generator, delta=False)
+            tap = Tap(result_generator, delta=False, tenant=replayer.tenant(request))
             response = await full_generator(request, tap, *args, **kwargs)
             try:
                 replayer.remember_response(response, tap)
@@ -435,7 +569,7 @@ class Replayer:
         stream_generator = chat.chat_completion_stream_generator
 
         def chat_completion_stream_generator(request, result_generator, *args, **kwargs):
-            tap = Tap(result_generator, delta=True)
+            tap = Tap(result_generator, delta=True, tenant=replayer.tenant(request))
             return capture_stream(replayer, stream_generator(request, tap, *args, **kwargs), tap)
 
         chat.chat_completion_stream_generator = chat_completion_stream_generator
@@ -444,7 +578,14 @@ class Replayer:
             create_tokenize = tokenization.create_tokenize
 
             async def planned_create_tokenize(request, raw_request):
-                plan = await replayer._safe_prepare(request)
+                # /tokenize carries no cache_salt: the tenancy gate left the request's
+                # salt in its ASGI state.
+                state = (getattr(raw_request, "scope", None) or {}).get("state") or {}
+                salt = _GATE_SALT.set(state.get(STATE_KEY))
+                try:
+                    plan = await replayer._safe_prepare(request)
+                finally:
+                    _GATE_SALT.reset(salt)
                 token = _ACTIVE.set(plan)
                 try:
                     return await create_tokenize(request, raw_request)

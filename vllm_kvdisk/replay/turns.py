@@ -1,27 +1,39 @@
 """Which assistant turns of a request replay, and the prompt with their sampled ids in.
 
-An assistant message is replayed only if every one of its tool-call ids is known, all
-point to one record, and the message equals what the model produced (same names,
-JSON-equal arguments, same content; no reasoning). The message is then rendered with a
-sentinel as its only content and the sentinel is replaced by the sampled token ids, so
-the prompt equals prompt + sampled tokens of the earlier turn token for token. Anything
-else renders as usual: an id sent back with other arguments is never replayed.
+An assistant message is replayed only if every one of its tool-call ids is known **in the
+request's own tenant** (LoRA adapter and cache salt), all point to one record, the message
+equals what the model produced (same names, JSON-equal arguments, same content; no
+reasoning), and the sampled turn says nothing the client did not receive
+(:func:`~vllm_kvdisk.replay.messages.hidden_text` is empty). The message is then rendered
+with a sentinel as its only content and the sentinel is replaced by the sampled token ids,
+but only where the prompt before it is exactly the prompt the turn was sampled after (its
+token ids hash to the record's prefix digest), so the prompt equals prompt + sampled tokens
+of the earlier turn token for token. Anything else renders as usual: an id sent back with
+other arguments, by another tenant, or after another prompt is never replayed.
 
 Invariants: replay never changes what a client's message says, only how the same message
-is tokenized; a record without token ids (loaded from a file whose tokens could not be
-matched) falls back to tokenizing its exact text; nothing here raises out of a lookup.
-Pure: no vLLM, no torch.
+is tokenized; it never inserts a record of another tenant, nor one after a prompt it was
+not sampled after (a record without a prefix digest never replays); nothing here raises
+out of a lookup. Pure: no vLLM, no torch.
 """
 
 from __future__ import annotations
 
+import hashlib
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_kvdisk.replay.memory import ToolMemory, ToolRecord
-from vllm_kvdisk.replay.messages import Signature, message_signature, message_tool_ids
+import numpy as np
+
+from vllm_kvdisk.replay.memory import PREFIX_SEED, ToolMemory, ToolRecord
+from vllm_kvdisk.replay.messages import (
+    Signature,
+    hidden_text,
+    message_signature,
+    message_tool_ids,
+)
 
 
 @dataclass(slots=True)
@@ -60,18 +72,40 @@ class Plan:
     def tool_map(self) -> list[list[str]]:
         return [[tid, r.record.text] for r in self.replays for tid in r.ids]
 
+    def drop_from(self, k: int, why: str) -> None:
+        """Turns ``k``.. render as usual: turn ``k`` for ``why``, the later ones because
+        they were sampled after turn ``k`` as it was replayed."""
+        for j, replay in enumerate(self.replays[k:]):
+            if replay.record.origin == "disk":
+                self.from_disk -= len(replay.ids)
+            else:
+                self.from_memory -= len(replay.ids)
+            self.changed += len(replay.ids)
+            self.notes.append(
+                f"message {replay.index}: "
+                + (why if j == 0 else "an earlier turn renders as usual")
+            )
+        del self.replays[k:]
+
 
 def plan_replay(
-    messages: Sequence[Any], memory: ToolMemory, sign: Callable[[ToolRecord], Signature | None]
+    messages: Sequence[Any],
+    memory: ToolMemory,
+    sign: Callable[[ToolRecord], Signature | None],
+    tenant: str = "",
+    markup: Iterable[str] = (),
 ) -> Plan:
-    """Which assistant messages can be replayed. ``sign`` parses a disk record's text
-    into the message the client would have seen (None if it cannot)."""
+    """Which assistant messages of a request of ``tenant`` can be replayed. ``sign`` parses
+    a disk record's text into the message the client would have seen (None if it cannot);
+    ``markup``: strings of the tool-call syntax that the client is not shown (the parser's
+    tags, the tokenizer's special tokens)."""
     plan = Plan()
+    markup = tuple(markup)
     for index, message in enumerate(messages):
         ids = message_tool_ids(message)
         if not ids:
             continue
-        records = [memory.get(tid) for tid in ids]
+        records = [memory.get(tenant, tid) for tid in ids]
         known = [r for r in records if r is not None]
         plan.missing += len(ids) - len(known)
         if len(known) < len(ids):
@@ -93,6 +127,10 @@ def plan_replay(
             if record.signature.reasoning
             else "it differs from what was sampled"
             if record.signature != message_signature(message)
+            else "its sampled turn holds text the client did not receive"
+            if _hides(record, record.signature, ids, markup)
+            else "the prompt it was sampled after is unknown"
+            if record.prefix is None and record.source is None
             else None
         )
         if why is not None:
@@ -105,6 +143,17 @@ def plan_replay(
             plan.from_memory += len(ids)
         plan.replays.append(Replay(index, ids, record))
     return plan
+
+
+def _hides(
+    record: ToolRecord, signature: Signature, ids: list[str], markup: tuple[str, ...]
+) -> bool:
+    """Whether the record says more than a message with ``ids`` carries (computed once per
+    record and ids: the check is linear in its text)."""
+    key = tuple(ids)
+    if record.hidden is None or record.hidden[0] != key:
+        record.hidden = (key, bool(hidden_text(record.text, signature, ids, markup)))
+    return record.hidden[1]
 
 
 def sentinel_messages(
@@ -148,6 +197,14 @@ def turn_opening(with_generation: str, with_content: str, sentinel: str) -> Turn
     return TurnOpening(with_generation[common:], before[common:])
 
 
+class PrefixMismatch(Exception):
+    """The prompt before replayed turn ``index`` is not the one it was sampled after."""
+
+    def __init__(self, index: int):
+        super().__init__(f"turn {index} was sampled after another prompt")
+        self.index = index
+
+
 def splice(
     text: str,
     sentinels: Sequence[str],
@@ -162,11 +219,14 @@ def splice(
     model sampled it after. Each piece between sentinels is tokenized on its own: the
     first is exactly the earlier turn's prompt, which vLLM tokenized on its own too. None
     if a sentinel is missing, repeated or out of order, or a turn does not open as
-    ``opening`` says (the template did something else)."""
+    ``opening`` says (the template did something else). Raises :class:`PrefixMismatch`
+    for the first turn whose prompt before it does not hash to its record's prefix."""
     ids: list[int] = []
     parts: list[str] = []
     pos = 0
-    for token, replay in zip(sentinels, replays):
+    prefix = hashlib.sha256(PREFIX_SEED)
+    hashed = 0
+    for k, (token, replay) in enumerate(zip(sentinels, replays)):
         at = text.find(token, pos)
         if at < 0 or text.count(token) != 1:
             return None
@@ -176,6 +236,10 @@ def splice(
                 return None
             piece = piece[: len(piece) - len(opening.content)] + opening.generation
         ids += encode(piece) if piece else []
+        prefix.update(np.asarray(ids[hashed:], dtype=np.int64).astype("<u4").tobytes())
+        hashed = len(ids)
+        if replay.record.prefix is None or prefix.digest() != replay.record.prefix:
+            raise PrefixMismatch(k)
         parts += [piece, replay.record.text]
         tokens = replay.record.token_ids
         ids += list(tokens) if tokens is not None else encode(replay.record.text)
