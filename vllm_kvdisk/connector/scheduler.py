@@ -198,7 +198,7 @@ class SchedulerSide:
     @guarded("get_num_new_matched_tokens", lambda: (0, False))
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         st = self._state(request)
         if not st.may_load or request.prompt_token_ids is None:
             return 0, False
@@ -255,6 +255,8 @@ class SchedulerSide:
     def _trim(self, st: RequestState, num_computed: int) -> None:
         """A hybrid model's hit needs the window before it in every window group, and a
         stored state at its end in every state group."""
+        if st.memo is None:
+            return
         if self.windows:
             st.memo = trim_to_windows(st.memo, num_computed, self.windows, self.block_size)
         if self.states.active:
@@ -264,6 +266,8 @@ class SchedulerSide:
         """Cut the chain to the part that is cheaper to load than to recompute (a file is
         read whole even when only part of it is used)."""
         lookup = st.memo
+        if lookup is None:
+            return
         segments = lookup.segments
         below = sum(1 for s in segments if s.upto <= num_computed)
         costs = [
@@ -290,6 +294,8 @@ class SchedulerSide:
             self.report.no_load(st.ns, lookup, ids, on_device, st.declined)
             return
         hit = lookup.tokens
+        if ids is None:  # the ids the lookup was made with (kept beside every hit)
+            ids = as_token_array(request.prompt_token_ids[:hit])
         local = hit - num_external_tokens
         bs = self.block_size
         start, end = local // bs, hit // bs

@@ -10,7 +10,7 @@ cannot serve exactly is refused here, at start-up (``compat``).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm_kvdisk.core.compat import (
     GroupInfo,
@@ -35,14 +35,15 @@ from vllm_kvdisk.core.tokens import TokenTable, table_from_tokenizer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
 
     from vllm_kvdisk.connector.scheduler import SchedulerSide
     from vllm_kvdisk.connector.worker import WorkerSide
 
 
 def engine_config(vllm_config: VllmConfig) -> KVDiskConfig:
-    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    transfer = vllm_config.kv_transfer_config
+    extra = dict(transfer.kv_connector_extra_config or {}) if transfer is not None else {}
     return load_config(extra, os.environ)
 
 
@@ -72,10 +73,13 @@ def engine_fingerprint(
     states = tuple(state_signature(i.state) for i in infos if i.state_mode)
     # Heads, head size and dtype come from the first attention group (kv_groups checked
     # that there is one); a state group's geometry is in the groups' signature.
-    spec = next(
-        g.kv_cache_spec
-        for g, kind in zip(kv_cache_config.kv_cache_groups, groups)
-        if kind.kind != GroupKind.STATE
+    spec = cast(
+        "AttentionSpec",  # the first group that is not a state is attention
+        next(
+            g.kv_cache_spec
+            for g, kind in zip(kv_cache_config.kv_cache_groups, groups)
+            if kind.kind != GroupKind.STATE
+        ),
     )
     head_v = getattr(spec, "head_size_v", None) or spec.head_size
     # vLLM 0.34: a spec may group each KV head's K and V slots together (another page
@@ -149,7 +153,8 @@ def group_info(spec: Any, layers: int) -> GroupInfo:
     # Subclasses of FullAttentionSpec that change which blocks a hit needs (a window that
     # skips a middle gap, sinks, sparse sources) are not plain full attention.
     full = type(spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec")
-    state_mode, state = "", ()
+    state_mode = ""
+    state: tuple[tuple[tuple[int, ...], str], ...] = ()
     if type(spec).__name__ == "MambaSpec":
         state_mode = str(getattr(spec, "mamba_cache_mode", "") or "none")
         state = tuple(

@@ -168,6 +168,12 @@ class WorkerSide:
             self._report.removed.append((entry.ns, entry.sha1))
         self.trace.dropped(entry.sha1, entry.tokens, entry.size, why)
 
+    def _mover(self) -> PageMover:
+        """The page mover of the registered KV caches (none before ``register_kv_caches``)."""
+        if self.mover is None:
+            raise RuntimeError("kvdisk: no KV cache registered yet")
+        return self.mover
+
     def _fp(self, scope: Scope) -> Fingerprint:
         return self.namespaces.fingerprint(scope.lora, scope.salt_digest)
 
@@ -223,7 +229,7 @@ class WorkerSide:
                 self._copy_ended.wait_for(lambda: not self._copying.keys() & set(meta.flush))
 
     def _start_copy(self, job: SaveJob) -> None:
-        mover = self.mover
+        mover = self._mover()
         if mover is None:
             self._save_failed(job, "KV caches not registered")
             self._confirm_copy(job.req_id)
@@ -263,7 +269,7 @@ class WorkerSide:
     ) -> None:
         """Copy thread: the pages into staging (pinned memory is allocated here, never on
         the engine thread), then the write goes to the write pool."""
-        mover = self.mover
+        mover = self._mover()
         pages: list[np.ndarray] = []
         windows_pending = bool(job.groups)
         try:
@@ -387,12 +393,12 @@ class WorkerSide:
             t0 = time.perf_counter()
             fp = self._fp(job.scope)
             ns = self.store.ensure_namespace(fp)
-            mover = self.mover
+            mover = self._mover()
             encoded = encode_plan(
                 plan,
                 text=job.text,
                 ids=job.token_ids,
-                layers=[memoryview(p).cast("B") for p in pages],
+                layers=[p.data.cast("B") for p in pages],
                 layout=mover.layout,
                 fingerprint=fp.digest(),
                 kv_dtype=mover.layout.dtype,
@@ -451,7 +457,7 @@ class WorkerSide:
     def _layer_ids(self, job: SaveJob) -> list[list[int]]:
         """Each layer's engine block ids of a save, in file order."""
         if not job.groups:
-            return [job.block_ids] * self.mover.layout.num_layers
+            return [job.block_ids] * self._mover().layout.num_layers
         return [ids for group, ids in zip(self.groups, job.groups) for _ in range(group.layers)]
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -422,7 +422,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 "tokens_stored": sum(e.tokens - e.parent_tokens for e in mine),
             }
         )
-    result = {
+    result: dict[str, Any] = {
         "files": len(entries),
         "bytes": store.index.total_bytes,
         "namespaces": spaces,

@@ -30,10 +30,11 @@ def known_labels() -> dict[str, list[tuple[str, ...]]]:
     """Every label set each labelled series can be counted under (its extra labels),
     exported at 0 from the start: Prometheus' convention, so a panel or ``rate()`` over a
     short window after a restart shows 0 rather than "No data"."""
+    lookups: list[tuple[str, ...]] = [(r, "") for r in LOOKUP_RESULTS]
+    lookups.append(("hit", "object"))  # a hit whose files were fetched from the object store
+    lookups += [("miss", m.label) for m in Miss]
     return {
-        "lookups": [(r, "") for r in LOOKUP_RESULTS]
-        + [("hit", "object")]  # a hit whose files were fetched from the object store
-        + [("miss", m.label) for m in Miss],
+        "lookups": lookups,
         "saves": [(r.name.lower(),) for r in Reason],
         "saves_skipped": [(r,) for r in SKIP_REASONS],
         "errors": [(h,) for h in HOOKS],

@@ -176,6 +176,8 @@ class Trace:
         return self._fd is not None or self.to_log
 
     def _open(self) -> None:
+        if self.path is None:
+            return
         try:
             self._fd = fsdir.open_regular(self.path, flags=os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         except OSError as exc:
@@ -187,6 +189,8 @@ class Trace:
         if now - self._checked < CHECK_EVERY_S or self.path is None:
             return
         self._checked = now
+        st: os.stat_result | None
+        mine: os.stat_result | None
         try:
             st = os.stat(self.path, follow_symlinks=False)
             mine = os.fstat(self._fd) if self._fd is not None else None

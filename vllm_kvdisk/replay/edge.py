@@ -30,7 +30,7 @@ def strip_internal_keys(engine_client: Any) -> None:
     def generate_without_internal_keys(prompt: Any, sampling_params: Any, *args: Any, **kw: Any):
         extra = getattr(sampling_params, "extra_args", None)
         params = extra.get("kv_transfer_params") if isinstance(extra, dict) else None
-        if params is not None and not isinstance(params, OwnParams):
+        if isinstance(extra, dict) and params is not None and not isinstance(params, OwnParams):
             cleaned = without_internal(params)
             if cleaned is not params:
                 sampling_params.extra_args = {**extra, "kv_transfer_params": cleaned}

@@ -283,14 +283,21 @@ class ToolLog:
                     self._open_own()
                 elif self._too_big(len(record)) and newest is not None:
                     self._compact(newest())
-                os.write(self._fd, record)
+                fd, name = self._own()
+                os.write(fd, record)
                 self._records += 1
                 self._bytes += len(record)
-                self._offsets[self._name] += len(record)
+                self._offsets[name] += len(record)
                 return True
             except OSError as exc:
                 log.warning("kvdisk replay: could not record a tool call: %s", exc)
                 return False
+
+    def _own(self) -> tuple[int, str]:
+        """This process's open log (descriptor, name)."""
+        if self._fd is None or self._name is None:
+            raise OSError("the tool-call log is not open")
+        return self._fd, self._name
 
     def _too_big(self, adding: int) -> bool:
         if self._records >= self.max_ids + SLACK_RECORDS:
@@ -304,11 +311,12 @@ class ToolLog:
         old_fd, old_name = self._fd, self._name
         body = b"".join(encode_record(self.scope, c) for c in keep[-self.max_ids :])
         self._open_own()
-        os.write(self._fd, body)
-        os.fsync(self._fd)
+        fd, name = self._own()
+        os.write(fd, body)
+        os.fsync(fd)
         self._records = min(len(keep), self.max_ids)
         self._bytes = len(body)
-        self._offsets[self._name] = len(body)
+        self._offsets[name] = len(body)
         if old_fd is not None:
             os.close(old_fd)
         if old_name is not None:

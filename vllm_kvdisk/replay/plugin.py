@@ -345,7 +345,7 @@ class Replayer:
 
         try:
             tool_dicts = [t.model_dump() if hasattr(t, "model_dump") else t for t in tools or []]
-            request = ChatCompletionRequest(
+            request = ChatCompletionRequest(  # type: ignore[call-arg]  # seed: optional
                 messages=[{"role": "user", "content": ""}],
                 tools=tool_dicts or None,
                 tool_choice="auto",
@@ -515,7 +515,7 @@ class Replayer:
             if not calls:
                 continue
             signature = make_signature(
-                message.content,
+                getattr(message, "content", None),
                 [(c.function.name, c.function.arguments) for c in calls],
                 getattr(message, "reasoning", None),
             )

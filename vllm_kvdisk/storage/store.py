@@ -126,7 +126,7 @@ class Store:
         self.salt_key = (
             b""
             if readonly or self.directory.fd < 0
-            else secret.salt_key(self.directory.fd, create=True)
+            else secret.salt_key(self.directory.fd, create=True) or b""
         )
         self.lock = DirLock(self.directory, lock_timeout_s)
         self.scanner = Scanner(
