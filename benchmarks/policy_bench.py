@@ -57,7 +57,7 @@ class TokenBucket:
 def throttle_reads(bucket: TokenBucket | None) -> None:
     """Make the restore path's layer reads wait on ``bucket``; None undoes it."""
     import vllm_kvdisk.connector.restore as restore_mod
-    import vllm_kvdisk.storage.fileread as fmt
+    import vllm_kvdisk.storage.pageread as fmt
 
     if bucket is None:
         restore_mod.read_layer_into = fmt.read_layer_into

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from synth import FP, make, prompt, save
 
-from vllm_kvdisk.storage.fileread import read_layer_into
+from vllm_kvdisk.storage.pageread import read_layer_into
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.storage.verify import verify
 

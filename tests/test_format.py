@@ -24,12 +24,12 @@ from vllm_kvdisk.core.format import (
 )
 from vllm_kvdisk.core.toolmap import decode_tool_map, encode_tool_map
 from vllm_kvdisk.storage.fileread import (
-    read_layer_into,
     read_meta,
     read_text,
     read_tokens,
     read_tool_map,
 )
+from vllm_kvdisk.storage.pageread import read_layer_into
 
 GOLDEN = Path(__file__).parent / "golden"
 LAYOUT = PageLayout("cpu:LBHNC", 4, 2, (1, 4, 2), "float32")
@@ -195,6 +195,7 @@ def test_layers_read_into_split_buffers_survive_short_reads(tmp_path, monkeypatc
     three pieces (as runs of blocks would be); the kernel may return fewer bytes than
     asked (here: at most 5 per call)."""
     import vllm_kvdisk.storage.fileread as fmt
+    import vllm_kvdisk.storage.pageread as pages
 
     raw = golden_checkpoint(True)
     fd = write(tmp_path, raw)
@@ -214,14 +215,14 @@ def test_layers_read_into_split_buffers_survive_short_reads(tmp_path, monkeypatc
 
     monkeypatch.setattr(fmt.os, "preadv", short)
     bufs = [[memoryview(bytearray(n)) for n in (3, 16, 13)] for _ in range(2)]
-    fmt.read_layers_into(fd, meta, 0, bufs)
+    pages.read_layers_into(fd, meta, 0, bufs)
     for layer, views in enumerate(bufs):
         assert np.frombuffer(b"".join(bytes(v) for v in views), "<f4").tolist() == [layer + 0.5] * 8
     assert len(calls) == 2 * (32 // 5 + 1) and calls[0] == 3  # a layer's pieces at once
     with pytest.raises(ValueError):
-        fmt.read_layers_into(fd, meta, 1, bufs)  # layer 2 does not exist
+        pages.read_layers_into(fd, meta, 1, bufs)  # layer 2 does not exist
     with pytest.raises(ValueError):
-        fmt.read_layers_into(fd, meta, 0, [[memoryview(bytearray(31))]])
+        pages.read_layers_into(fd, meta, 0, [[memoryview(bytearray(31))]])
     os.close(fd)
 
 
@@ -230,8 +231,9 @@ def test_layers_are_read_and_hashed_a_cache_sized_piece_at_a_time(tmp_path, monk
     the CPU's caches); pieces cross the buffers' edges anywhere, the bytes and the checksum
     are those of the whole layer, and a flipped byte is still found."""
     import vllm_kvdisk.storage.fileread as fmt
+    import vllm_kvdisk.storage.pageread as pages
 
-    monkeypatch.setattr(fmt, "HOT_BYTES", 7)
+    monkeypatch.setattr(pages, "HOT_BYTES", 7)
     raw = golden_checkpoint(True)
     fd = write(tmp_path, raw)
     meta = read_meta(fd, len(raw))
@@ -246,21 +248,21 @@ def test_layers_are_read_and_hashed_a_cache_sized_piece_at_a_time(tmp_path, monk
         )[1],
     )
     bufs = [[memoryview(bytearray(n)) for n in (3, 0, 16, 13)] for _ in range(2)]
-    fmt.read_layers_into(fd, meta, 0, bufs)
+    pages.read_layers_into(fd, meta, 0, bufs)
     for layer, views in enumerate(bufs):
         assert np.frombuffer(b"".join(bytes(v) for v in views), "<f4").tolist() == [layer + 0.5] * 8
     assert max(reads) == 7 and sum(reads) == 64
     kept = memoryview(bytearray(12))
-    fmt.read_layer_parts(fd, meta, 1, [(20, None), (12, [kept])], memoryview(bytearray(9)))
+    pages.read_layer_parts(fd, meta, 1, [(20, None), (12, [kept])], memoryview(bytearray(9)))
     assert np.frombuffer(bytes(kept), "<f4").tolist() == [1.5] * 3
     os.close(fd)
     flipped = bytearray(raw)
     flipped[meta.offsets.layer(1) + 10] ^= 1
     fd = write(tmp_path, bytes(flipped))
     with pytest.raises(FormatError):
-        fmt.read_layers_into(fd, meta, 1, [[memoryview(bytearray(32))]])
+        pages.read_layers_into(fd, meta, 1, [[memoryview(bytearray(32))]])
     with pytest.raises(FormatError):
-        fmt.read_layer_parts(fd, meta, 1, [(32, None)], memoryview(bytearray(5)))
+        pages.read_layer_parts(fd, meta, 1, [(32, None)], memoryview(bytearray(5)))
     os.close(fd)
 
 

@@ -35,7 +35,8 @@ from vllm_kvdisk.core.format import (
 )
 from vllm_kvdisk.core.index import Entry, Lookup, Miss, Segment
 from vllm_kvdisk.core.planner import trim_to_states
-from vllm_kvdisk.storage.fileread import read_layer_into, read_meta
+from vllm_kvdisk.storage.fileread import read_meta
+from vllm_kvdisk.storage.pageread import read_layer_into
 
 GOLDEN = Path(__file__).parent / "golden"
 LAYOUT = PageLayout("cpu:raw", 4, 2, (32,), "uint8")

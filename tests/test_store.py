@@ -7,7 +7,7 @@ import stat
 import numpy as np
 from synth import BLOCK, make, planner, prompt, save
 
-from vllm_kvdisk.storage.fileread import read_layer_into
+from vllm_kvdisk.storage.pageread import read_layer_into
 from vllm_kvdisk.storage.store import Store
 from vllm_kvdisk.storage.verify import verify
 

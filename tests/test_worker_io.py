@@ -23,6 +23,7 @@ from vllm_kvdisk.connector.worker import WorkerSide
 from vllm_kvdisk.core.config import load_config
 from vllm_kvdisk.core.keys import Fingerprint
 from vllm_kvdisk.storage import fileread as fmt
+from vllm_kvdisk.storage import pageread
 
 LAYERS = 4
 BLOCKS = 64
@@ -60,7 +61,7 @@ def test_restore_into_scattered_blocks_is_byte_identical(side, monkeypatch, cach
     src = list(range(FILE_BLOCKS))
     sha1 = save(w, src)
     calls = []
-    real = fmt.pages_cached
+    real = pageread.pages_cached
 
     def decide(fd, meta):
         calls.append(real(fd, meta))
@@ -199,13 +200,13 @@ def test_pages_cached_probe(side, monkeypatch):
     fd = os.open(path, os.O_RDONLY)
     try:
         meta = fmt.read_meta(fd, os.fstat(fd).st_size)
-        assert fmt.pages_cached(fd, meta)  # just written
+        assert pageread.pages_cached(fd, meta)  # just written
 
         def not_resident(*args):
             raise BlockingIOError(11, "would block")
 
         monkeypatch.setattr(fmt.os, "preadv", not_resident)
-        assert not fmt.pages_cached(fd, meta)
+        assert not pageread.pages_cached(fd, meta)
     finally:
         os.close(fd)
 

@@ -9,7 +9,7 @@ the tokens the engine's own prefix cache would). Then the pages are read:
 
 * host-resident caches (the CPU backend) are read straight into runs of the target blocks,
   no staging copy, 1 MiB at a time, each piece hashed while it is in the CPU's caches
-  (``fileread.read_layers_into``); pages not used (held by the device already, or past
+  (``pageread.read_layers_into``); pages not used (held by the device already, or past
   ``upto``) are read into
   scratch only so the layer's checksum can be verified, one layer at a time so scratch
   goes back to the pool at once (fresh memory is slow to touch). Files in the page cache
@@ -37,15 +37,8 @@ from vllm_kvdisk.connector.jobs import LoadFile, LoadJob
 from vllm_kvdisk.connector.staging import StagingPool
 from vllm_kvdisk.connector.transfer import PageMover
 from vllm_kvdisk.core.format import FULL_ONLY, FormatError, Group
-from vllm_kvdisk.storage.fileread import (
-    Meta,
-    pages_cached,
-    read_layer_parts,
-    read_layers_into,
-    read_meta,
-    read_token_range,
-    read_tokens,
-)
+from vllm_kvdisk.storage.fileread import Meta, read_meta, read_token_range, read_tokens
+from vllm_kvdisk.storage.pageread import pages_cached, read_layer_parts, read_layers_into
 from vllm_kvdisk.storage.store import Store
 
 # Files of a chain open at once: each batch is checked whole, then read, then closed, so a
