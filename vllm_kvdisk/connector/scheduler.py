@@ -428,8 +428,8 @@ class SchedulerSide:
         """The admission rule and the write budget; a refusal counts its positions."""
         request = st.request
         if self.admission.rule != "all":
-            first = list(request.prompt_token_ids or ())[: self.block_size]
-            start = (st.ns, tuple(first))
+            first = tuple((request.prompt_token_ids or ())[: self.block_size])  # no copy
+            start = (st.ns, first)
             if len(first) < self.block_size or not self.admission.admits(start, request.request_id):
                 self.stats.count("saves_skipped", "admission", positions)
                 return False
