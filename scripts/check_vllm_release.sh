@@ -45,6 +45,6 @@ open(f"{venv}/requirements.txt", "w").write("\n".join(keep) + "\n")
 print(f"vLLM {version}: {len(keep)} non-GPU requirements")
 PY
 pip=("$VENV/bin/pip" install -q -c "$VENV/constraints.txt")
-"${pip[@]}" torch -r "$VENV/requirements.txt" xxhash prometheus-client pytest pytest-timeout
+"${pip[@]}" torch -r "$VENV/requirements.txt" xxhash zstandard prometheus-client pytest pytest-timeout
 "${pip[@]}" --no-deps "vllm==$VERSION"
 exec "$VENV/bin/python" -m pytest -q tests/contract -p no:cacheprovider

@@ -27,7 +27,7 @@ pip=("$VENV/bin/pip" install -q -c "$CONSTRAINTS")
 "${pip[@]}" torch packaging numpy pydantic regex psutil pyzmq requests transformers \
     aiohttp pillow pybase64 cachetools cbor2 msgspec cloudpickle uvloop py-cpuinfo \
     prometheus_client llguidance einops apache-tvm-ffi \
-    xxhash prometheus-client pytest pytest-timeout hypothesis
+    xxhash zstandard prometheus-client pytest pytest-timeout hypothesis
 "${pip[@]}" --no-deps "vllm==$VERSION" xgrammar
 VERSION=$VERSION "$VENV/bin/python" - <<'PY'
 import os, vllm, torch

@@ -44,12 +44,16 @@ def test_greedy_tokens_identical_no_cache_gpu_hit_disk_hit_and_after_restart(
     assert restart_cached == 1408
     assert reference == cold == gpu == disk == restarted
     assert len(set(reference)) > 4  # the model is not stuck on one token
+    assert payload_versions(kv) == {4}  # the default compresses the pages
 
 
 @DTYPES
+@pytest.mark.parametrize("compression", ["auto", "off"])
 def test_pages_read_back_are_byte_identical_to_pages_written(
-    tiny_model, tmp_path, monkeypatch, dtype
+    tiny_model, tmp_path, monkeypatch, dtype, compression
 ):
+    """The default (auto) writes compressed pages, off raw ones: both restore the bytes the
+    engine's blocks held."""
     import vllm_kvdisk.connector.restore as restore_mod
 
     written: dict[int, np.ndarray] = {}  # block index in the request -> page bytes, layer 0
@@ -77,7 +81,8 @@ def test_pages_read_back_are_byte_identical_to_pages_written(
     monkeypatch.setattr(PageMover, "block_runs", spy_block_runs)
     monkeypatch.setattr(restore_mod, "read_layers_into", spy_read)
     prompt = random_prompt(1000, seed=2)  # one checkpoint: 896 tokens = 7 blocks
-    with engine(tiny_model, str(tmp_path / "kv"), llm_args={"dtype": dtype}) as llm:
+    kv = str(tmp_path / "kv")
+    with engine(tiny_model, kv, llm_args={"dtype": dtype}, kv_disk_compression=compression) as llm:
         first, _ = generate(llm, prompt)
         deadline = (
             time.monotonic() + OUTCOME_WAIT_S
@@ -103,6 +108,18 @@ def test_pages_read_back_are_byte_identical_to_pages_written(
         for i in range(7):
             assert read[i].tobytes() == written[i].tobytes() == in_cache[i].tobytes()
     assert sorted(layer for layer, _ in loaded) == [0, 1, 2, 3]  # every layer was restored
+    assert payload_versions(kv) == ({4} if compression == "auto" else {2})
+
+
+def payload_versions(kv: str) -> set[int]:
+    """The payload versions of the files under ``kv`` (4: compressed pages)."""
+    store = Store(kv, space_bytes=1 << 40, readonly=True)
+    store.scan()
+    versions = set()
+    for e in store.index.entries():
+        with store.open(e.ns, e.sha1) as (_, meta, _):
+            versions.add(meta.payload.version)
+    return versions
 
 
 @DTYPES

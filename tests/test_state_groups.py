@@ -112,8 +112,8 @@ def test_a_state_group_only_in_a_version_3_payload(tmp_path):
             read_meta(write(tmp_path, bytes(bad)), len(bad))
         assert not isinstance(err.value, UnsupportedFile), name
     future = bytearray(raw)
-    struct.pack_into("<H", future, payload + 4, 4)
-    with pytest.raises(UnsupportedFile, match="payload version 4"):
+    struct.pack_into("<H", future, payload + 4, 5)
+    with pytest.raises(UnsupportedFile, match="payload version 5"):
         read_meta(write(tmp_path, bytes(future)), len(future))
 
 

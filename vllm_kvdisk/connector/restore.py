@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
@@ -276,7 +277,9 @@ class Restorer:
         )
         threads = getattr(self.readers, "_max_workers", 1)
         for i, o in enumerate(opened):
-            if cached[i]:  # in the page cache: every reader thread at once
+            if cached[i] or o.meta.payload.packing is not None:
+                # In the page cache, or compressed (decoding, not the disk, sets the pace):
+                # every reader thread at once.
                 # Twice as many tasks as threads, by bytes: with one per thread, five
                 # files on four threads left one thread 40% of the work.
                 share = (o.meta.offsets.ktm - o.meta.offsets.pages) / max(1, warm_bytes)
@@ -349,37 +352,45 @@ class Restorer:
 
     def _read_staged(self, o: _Open) -> None:
         """Device cache: read the used pages into host staging (the others only through a
-        bounded scratch, for the checksum), then copy them into the blocks. Two sets of
-        buffers, so layer i+1 is read (and checksummed) while layer i is copied."""
+        bounded scratch, for the checksum), then copy them into the blocks. Raw pages: two
+        sets of buffers, so layer i+1 is read (and checksummed) while layer i is copied;
+        compressed pages: one set per reader thread and one more, so the threads decode
+        that many layers side by side while the copies run."""
         mover, meta = self.mover, o.meta
         pb = mover.page_bytes
         n_layers = meta.payload.layout.num_layers
+        depth = 2
+        if meta.payload.packing is not None:
+            depth = getattr(self.readers, "_max_workers", 1) + 1
+        depth = max(1, min(depth, n_layers))
         biggest = max(pb, max(len(t) for _, _, t in o.layers) * pb)
         scratch_bytes = max(pb, min(max((f + b) * pb for f, b, _ in o.layers), SCRATCH_BYTES))
-        flats = [self.staging.get(biggest) for _ in range(2)]
-        scratches = [self.staging.get(scratch_bytes) for _ in range(2)]
+        flats = [self.staging.get(biggest) for _ in range(depth)]
+        scratches = [self.staging.get(scratch_bytes) for _ in range(depth)]
 
         def read(layer: int) -> Future:
             front, back, targets = o.layers[layer]
-            k, used = layer % 2, len(targets) * pb
+            k, used = layer % depth, len(targets) * pb
             parts = [(front * pb, None), (used, [flats[k].data[:used]]), (back * pb, None)]
             return self.readers.submit(
                 read_layer_parts, o.fd, meta, layer, parts, scratches[k].data
             )
 
-        pending = None
+        pending: deque[Future] = deque()
         try:
-            pending = read(0)
+            for layer in range(min(depth - 1, n_layers) or 1):
+                pending.append(read(layer))
             for layer in range(n_layers):
-                pending.result()
-                if layer + 1 < n_layers:
-                    pending = read(layer + 1)
+                pending.popleft().result()
+                ahead = layer + max(1, depth - 1)
+                if ahead < n_layers:
+                    pending.append(read(ahead))
                 targets = o.layers[layer][2]
                 if targets:
                     used = len(targets) * pb
-                    mover.scatter(layer, targets, flats[layer % 2][:used].reshape(len(targets), pb))
+                    flat = flats[layer % depth]
+                    mover.scatter(layer, targets, flat[:used].reshape(len(targets), pb))
         finally:
-            if pending is not None:
-                wait([pending])  # never recycle a buffer a read is still filling
+            wait(list(pending))  # never recycle a buffer a read is still filling
             for buf in flats + scratches:
                 self.staging.put(buf)

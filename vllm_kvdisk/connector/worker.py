@@ -37,6 +37,7 @@ from vllm_kvdisk.connector.loading import Loads
 from vllm_kvdisk.connector.staging import StagingPool
 from vllm_kvdisk.connector.threads import CpuPlan, current_plan, pin, shorten_gil_switch
 from vllm_kvdisk.connector.transfer import PageMover, block_pages, pinned_buffer, unique_layers
+from vllm_kvdisk.core.codec import Choice
 from vllm_kvdisk.core.compat import Placement
 from vllm_kvdisk.core.config import KVDiskConfig
 from vllm_kvdisk.core.encode import encode_plan
@@ -95,6 +96,7 @@ class WorkerSide:
             1, thread_name_prefix="kvdisk-copy", initializer=lambda: pin(self._cpus.saves)
         )
         self.staging = StagingPool(config.kv_disk_staging_mb * 1024 * 1024)
+        self.compression = Choice(config.kv_disk_compression)
         self.mover: PageMover | None = None
         self._lock = threading.Lock()
         self._report = WorkerReport()
@@ -406,6 +408,7 @@ class WorkerSide:
                 now=int(time.time()),
                 tool_map=job.tool_map,
                 groups=self.groups,
+                compress=self.compression.compress(),
             )
             entry = self.store.write(ns, plan.sha1, encoded, protect=self._protected())
         except SaveSkipped as exc:
@@ -423,6 +426,16 @@ class WorkerSide:
         self.stats.observe("save_seconds", seconds)
         self.stats.count("saves", plan.reason.name.lower())
         self.stats.add("bytes_written", entry.size)
+        self.stats.add("page_bytes_decoded", encoded.raw_page_bytes)
+        self.stats.add("page_bytes_stored", encoded.stored_page_bytes)
+        if encoded.payload.packing is not None and self.compression.observe(
+            encoded.raw_page_bytes, encoded.stored_page_bytes
+        ):
+            log.warning(
+                "kvdisk: pages shrink by less than 1/21 under compression (%s KV?): "
+                "writing raw files from now on (--kv-disk-compression auto)",
+                mover.layout.dtype,
+            )
         self.trace.saved(plan.reason.name.lower(), plan.sha1, plan.tokens, entry.size, seconds)
         log.debug(
             "kvdisk: saved %s tokens %d..%d of %s (%s), %.1f MB in %.1f ms",

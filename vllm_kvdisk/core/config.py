@@ -24,6 +24,7 @@ LOAD_POLICIES = ("always", "auto")
 # Standard library only, no import of the package: deploy/validate.sh loads this file alone.
 TENANT_SOURCES = ("none", "api_key", "header")  # core.tenancy
 ADMISSION_RULES = ("all", "repeat")  # core.writebudget
+COMPRESSION_MODES = ("off", "auto", "zstd")  # core.codec
 ENV_PREFIX = "KVDISK_"
 
 
@@ -148,6 +149,13 @@ class KVDiskConfig:
         "earlier request of its namespace also started with (a one-off prompt is never "
         "written; a conversation is, from its second turn on)",
         choices=ADMISSION_RULES,
+    )
+    kv_disk_compression: str = knob(
+        "auto",
+        "lossless compression of the pages on disk (byte planes + zstd, in chunks; exact): "
+        "zstd always, auto until the first 64 MiB of pages shrink by less than 1/21 (fp8 "
+        "KV: raw files from then on), off: raw files (every build since format 2 reads them)",
+        choices=COMPRESSION_MODES,
     )
     kv_disk_lock_timeout_s: int = knob(
         10,

@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xxhash
 
+from vllm_kvdisk.core.codec import pack_layers
 from vllm_kvdisk.core.format import (
     CHECKSUM,
+    DTYPES,
     FLAG_DELTA,
     FLAG_TOOL_MAP,
     FULL_ONLY,
@@ -23,6 +25,7 @@ from vllm_kvdisk.core.format import (
     MAX_TEXT_BYTES,
     MAX_TOKENS,
     PAYLOAD_VERSION,
+    PAYLOAD_VERSION_PACKED,
     PAYLOAD_VERSION_STATE,
     TEXT_LEN,
     FormatError,
@@ -59,6 +62,15 @@ class Encoded:
     offsets: Offsets
     head: int  # xxh3-64 of the first owned block's token ids (the index's walk key)
 
+    @property
+    def raw_page_bytes(self) -> int:
+        """The pages' bytes decoded (``stored_page_bytes`` once compressed)."""
+        return self.offsets.raw_bytes
+
+    @property
+    def stored_page_bytes(self) -> int:
+        return self.offsets.stored_bytes
+
 
 def encode_checkpoint(
     *,
@@ -71,8 +83,10 @@ def encode_checkpoint(
     context_size: int,
     now: int,
     tool_map: Sequence[tuple[str, str]] = (),
+    compress: bool = False,
 ) -> Encoded:
-    """Lay out one checkpoint. ``tokens`` is the u32 LE token ids of the whole prefix."""
+    """Lay out one checkpoint. ``tokens`` is the u32 LE token ids of the whole prefix;
+    ``compress``: pages in compressed chunks (payload version 4, ``codec``)."""
     lay = payload.layout
     lay.validate()
     n_tokens = len(tokens) // 4
@@ -97,15 +111,21 @@ def encode_checkpoint(
         groups=groups,
         version=PAYLOAD_VERSION_STATE if has_state(groups) else PAYLOAD_VERSION,
     )
-    offsets = compute_offsets(
-        len(text), n_tokens, lay, payload.layer_blocks(), len(ktm), len(groups)
-    )
+    layer_blocks = payload.layer_blocks()
     for i, buf in enumerate(layers):
-        if memoryview(buf).nbytes != offsets.layer_size(i):
+        want = layer_blocks[i][1] * lay.page_bytes
+        if memoryview(buf).nbytes != want:
             raise FormatError(
-                f"layer {i} buffer of {memoryview(buf).nbytes} bytes, "
-                f"expected {offsets.layer_size(i)}"
+                f"layer {i} buffer of {memoryview(buf).nbytes} bytes, expected {want}"
             )
+    stored: list[Buffer] = list(layers)
+    if compress:
+        packed = pack_layers(layers, layer_blocks, lay.page_bytes, DTYPES[lay.dtype][1])
+        payload = replace(payload, version=PAYLOAD_VERSION_PACKED, packing=packed.packing)
+        stored = list(packed.buffers)
+    offsets = compute_offsets(
+        len(text), n_tokens, lay, layer_blocks, len(ktm), len(groups), payload.packing
+    )
     payload = replace(payload, ktm_checksum=xxhash.xxh3_64_intdigest(ktm) if ktm else 0)
     fixed = pack_payload_fixed(payload) + pack_groups(groups)
     sums = [xxhash.xxh3_64_intdigest(fixed + tokens)]
@@ -123,7 +143,8 @@ def encode_checkpoint(
         now,
         offsets.ktm - offsets.payload,
     )
-    pad = bytes(offsets.pages - offsets.tokens - len(tokens))
+    table = payload.packing.pack() if payload.packing is not None else b""
+    pad = bytes(offsets.pages - offsets.tokens - len(tokens) - len(table))
     buffers: list[Buffer] = [
         header.pack(),
         TEXT_LEN.pack(len(text)),
@@ -131,9 +152,10 @@ def encode_checkpoint(
         fixed,
         b"".join(CHECKSUM.pack(s) for s in sums),
         tokens,
+        table,
         pad,
     ]
-    buffers += list(layers)
+    buffers += stored
     if ktm:
         buffers.append(ktm)
     first = payload.parent_tokens
@@ -167,6 +189,7 @@ def encode_plan(
     now: int,
     tool_map: Sequence[tuple[str, str]] = (),
     groups: Sequence[Group] = FULL_ONLY,
+    compress: bool = False,
 ) -> Encoded:
     """Encode the file of ``plan``; ``layers`` hold, per layer in group order, the pages of
     the blocks its group stores (``Group.placed``) and ``ids`` the token ids of (at least)
@@ -195,4 +218,5 @@ def encode_plan(
         context_size=context_size,
         now=now,
         tool_map=tool_map,
+        compress=compress,
     )

@@ -28,15 +28,24 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
+from typing import TYPE_CHECKING
+
+# Re-exported: the readers name them as parts of the format.
+from vllm_kvdisk.core.errors import FormatError as FormatError
+from vllm_kvdisk.core.errors import UnsupportedFile as UnsupportedFile
+
+if TYPE_CHECKING:
+    from vllm_kvdisk.core.codec import Packing
 
 FORMAT_VERSION = 2
 MAGIC = b"KVC"
 PAYLOAD_MAGIC = b"KVDP"
 PAYLOAD_VERSION = 2  # files without a state group
 PAYLOAD_VERSION_STATE = 3  # files with one (a reader of version 2 leaves them alone)
+PAYLOAD_VERSION_PACKED = 4  # compressed pages (``codec``), with or without a state group
 # Every payload version ``encode`` writes: every reader (a file's summary for the index, its
 # full parse for a load or ``kvdisk verify``) accepts each of them, from this one tuple.
-PAYLOAD_VERSIONS = (PAYLOAD_VERSION, PAYLOAD_VERSION_STATE)
+PAYLOAD_VERSIONS = (PAYLOAD_VERSION, PAYLOAD_VERSION_STATE, PAYLOAD_VERSION_PACKED)
 PAGE_ALIGN = 4096
 
 MAX_TOKENS = 1 << 24
@@ -65,14 +74,6 @@ HEADER_FIELD_HITS = 12
 HEADER_FIELD_LAST_USED = 32
 if HEADER.size != 48 or PAYLOAD_FIXED.size != 160 or GROUP.size != 16:  # the spec pins both sizes
     raise RuntimeError("struct layout drifted from docs/FORMAT.md")
-
-
-class FormatError(ValueError):
-    """The file is corrupt, truncated, foreign or hostile."""
-
-
-class UnsupportedFile(FormatError):
-    """A well-formed file of a version or feature this build does not read."""
 
 
 class Reason(IntEnum):
@@ -276,7 +277,9 @@ class Payload:
     # The file's KV cache groups, layers in this order. Encoding places each group
     # (``Group.placed``); a layer count of 0 in a lone group means every layer.
     groups: tuple[Group, ...] = FULL_ONLY
-    version: int = PAYLOAD_VERSION  # 3 if a group holds a state (``encode`` sets it)
+    # 3 if a group holds a state, 4 if the pages are compressed (``encode`` sets it)
+    version: int = PAYLOAD_VERSION
+    packing: Packing | None = None  # the chunk table of compressed pages (version 4)
 
     def layer_blocks(self) -> list[tuple[int, int]]:
         """``(first block, block count)`` of every layer, in file order."""
@@ -294,15 +297,30 @@ class Offsets:
     payload: int
     tokens: int
     pages: int
-    layer_at: tuple[int, ...]  # layer i's pages are [layer_at[i], layer_at[i + 1])
+    layer_at: tuple[int, ...]  # layer i's pages are stored in [layer_at[i], layer_at[i + 1])
     ktm: int
     total: int
+    raw_sizes: tuple[int, ...]  # layer i's pages, decoded (= stored for raw pages)
+    table: int = 0  # the packing header and chunk table (compressed pages), else 0
 
     def layer(self, index: int) -> int:
         return self.layer_at[index]
 
     def layer_size(self, index: int) -> int:
+        """Layer ``index``'s pages in bytes, decoded: what a reader's buffers hold."""
+        return self.raw_sizes[index]
+
+    def stored_size(self, index: int) -> int:
+        """Layer ``index``'s bytes in the file (compressed or not)."""
         return self.layer_at[index + 1] - self.layer_at[index]
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(self.raw_sizes)
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.layer_at[-1] - self.layer_at[0]
 
     @property
     def layer_bytes(self) -> int:
@@ -320,17 +338,26 @@ def compute_offsets(
     layer_blocks: Sequence[tuple[int, int]],
     ktm_len: int,
     groups: int = 1,
+    packing: Packing | None = None,
 ) -> Offsets:
+    """Every section's offset; compressed pages (``packing``) follow their chunk table,
+    which follows the token ids."""
     text = HEADER.size + TEXT_LEN.size
     payload = text + text_len
     tokens_at = (
         payload + PAYLOAD_FIXED.size + GROUP.size * groups + CHECKSUM.size * (len(layer_blocks) + 1)
     )
-    pages = -(-(tokens_at + 4 * tokens) // PAGE_ALIGN) * PAGE_ALIGN
-    at = [pages]
-    for _, count in layer_blocks:
-        at.append(at[-1] + count * layout.page_bytes)
-    return Offsets(text, payload, tokens_at, pages, tuple(at), at[-1], at[-1] + ktm_len)
+    table = tokens_at + 4 * tokens if packing is not None else 0
+    head_end = table + packing.table_bytes if packing is not None else tokens_at + 4 * tokens
+    pages = -(-head_end // PAGE_ALIGN) * PAGE_ALIGN
+    raw = tuple(count * layout.page_bytes for _, count in layer_blocks)
+    if packing is None:
+        at = [pages]
+        for size in raw:
+            at.append(at[-1] + size)
+    else:
+        at = [pages + packing.chunk_at[k] for k in packing.layer_first]
+    return Offsets(text, payload, tokens_at, pages, tuple(at), at[-1], at[-1] + ktm_len, raw, table)
 
 
 def pack_payload_fixed(p: Payload) -> bytes:
@@ -464,8 +491,10 @@ def unpack_groups(buf: bytes, payload: Payload, tokens: int) -> Payload:
         groups.append(group)
     if sum(g.layers for g in groups) != lay.num_layers:
         raise FormatError("group layer counts do not add up to the layer count")
-    if has_state(groups) != (payload.version == PAYLOAD_VERSION_STATE):
-        raise FormatError("payload version 3 if and only if a group holds a state")
+    if payload.version != PAYLOAD_VERSION_PACKED and has_state(groups) != (
+        payload.version == PAYLOAD_VERSION_STATE
+    ):
+        raise FormatError("payload version 3 if and only if a group holds a state (raw pages)")
     return replace(payload, groups=tuple(groups))
 
 

@@ -116,15 +116,19 @@ def _describe(label: dict[str, Any]) -> str:
     )
 
 
-def _text_head(store: Store, e: Entry, size: int = 256) -> bytes:
+def _opening(store: Store, e: Entry, size: int = 256) -> tuple[bytes, int, int]:
+    """The text's first ``size`` bytes and the pages' bytes decoded and stored (they
+    differ when the pages are compressed: payload version 4); zeros if unreadable."""
     try:
         with store.open(e.ns, e.sha1) as (fd, meta, _):
-            return read_text(fd, meta, size)
+            text = read_text(fd, meta, size) if size else b""
+            return text, meta.offsets.raw_bytes, meta.offsets.stored_bytes
     except (OSError, FormatError):
-        return b""
+        return b"", 0, 0
 
 
 def _row(store: Store, e: Entry, now: float) -> dict[str, Any]:
+    text, raw, stored = _opening(store, e)
     return {
         "namespace": e.ns,
         "sha1": e.sha1,
@@ -132,12 +136,19 @@ def _row(store: Store, e: Entry, now: float) -> dict[str, Any]:
         "tokens": e.tokens,
         "parent_tokens": e.parent_tokens,
         "bytes": e.size,
+        "raw_page_bytes": raw,
+        "stored_page_bytes": stored,
         "hits": e.hits,
         "age_s": int(now - e.created),
         "last_used_s": int(now - e.last_used),
         "parent": e.parent,
-        "text": _preview(_text_head(store, e)),
+        "text": _preview(text),
     }
+
+
+def _ratio(raw: int, stored: int) -> str:
+    """Decoded over stored page bytes: ``1.00`` for raw pages, ``-`` if unreadable."""
+    return f"{raw / stored:.2f}" if stored else "-"
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -157,15 +168,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for ns in sorted(by_ns):
         say(_describe(namespace_label(store, ns)))
         say(
-            f"  {'sha1':12} {'reason':9} {'tokens':>13} {'size':>10} {'hits':>5} "
-            f"{'age':>6} {'used':>6} {'parent':12} text"
+            f"  {'sha1':12} {'reason':9} {'tokens':>13} {'size':>10} {'ratio':>5} "
+            f"{'hits':>5} {'age':>6} {'used':>6} {'parent':12} text"
         )
         for e in sorted(by_ns[ns], key=lambda e: -e.last_used):
             r = _row(store, e, now)
             span = f"{r['parent_tokens']}..{r['tokens']}"
             say(
                 f"  {r['sha1'][:12]} {r['reason']:9} {span:>13} {human_bytes(r['bytes']):>10} "
-                f"{r['hits']:>5} {human_age(r['age_s']):>6} {human_age(r['last_used_s']):>6} "
+                f"{_ratio(r['raw_page_bytes'], r['stored_page_bytes']):>5} {r['hits']:>5} "
+                f"{human_age(r['age_s']):>6} {human_age(r['last_used_s']):>6} "
                 f"{(r['parent'] or '-')[:12]:12} {r['text']}"
             )
     for ns, sha1, why in store.rejected:
@@ -240,6 +252,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             for g in p.groups
         ],
         "token_digest": f"{p.token_digest:016x}",
+        "pages": {
+            "raw_bytes": meta.offsets.raw_bytes,
+            "stored_bytes": meta.offsets.stored_bytes,
+            "compressed": p.packing is not None,
+            "chunks": len(p.packing.chunks) if p.packing is not None else 0,
+            "chunk_pages": p.packing.chunk_pages if p.packing is not None else 0,
+        },
         "chain": [
             {"sha1": e.sha1, "tokens": e.tokens, "parent_tokens": e.parent_tokens} for e in chain
         ]
@@ -282,6 +301,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "size",
             f"{human_bytes(size)}: text {human_bytes(meta.text_len)}, "
             f"payload {human_bytes(h.payload_bytes)}",
+        ),
+        (
+            "pages",
+            f"{human_bytes(meta.offsets.raw_bytes)} decoded, "
+            f"{human_bytes(meta.offsets.stored_bytes)} on disk "
+            + (
+                f"(compressed, {len(p.packing.chunks)} chunks of up to {p.packing.chunk_pages} "
+                f"pages, ratio {_ratio(meta.offsets.raw_bytes, meta.offsets.stored_bytes)})"
+                if p.packing is not None
+                else "(raw)"
+            ),
         ),
         (
             "layout",
@@ -414,11 +444,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
     spaces = []
     for ns in store.namespaces():
         mine = store.index.namespace_entries(ns)
+        pages = [_opening(store, e, 0)[1:] for e in mine]
         spaces.append(
             {
                 **namespace_label(store, ns),
                 "files": len(mine),
                 "bytes": sum(e.size for e in mine),
+                "raw_page_bytes": sum(raw for raw, _ in pages),
+                "stored_page_bytes": sum(stored for _, stored in pages),
                 "tokens_stored": sum(e.tokens - e.parent_tokens for e in mine),
             }
         )
@@ -426,6 +459,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
         "files": len(entries),
         "bytes": store.index.total_bytes,
         "namespaces": spaces,
+        "raw_page_bytes": sum(row["raw_page_bytes"] for row in spaces),
+        "stored_page_bytes": sum(row["stored_page_bytes"] for row in spaces),
         "tokens_stored": sum(e.tokens - e.parent_tokens for e in entries),
         "hits": sum(e.hits for e in entries),
         "by_reason": by_reason,
@@ -439,12 +474,18 @@ def cmd_stats(args: argparse.Namespace) -> int:
         f"{result['files']} checkpoint(s), {human_bytes(result['bytes'])}, "
         f"{result['tokens_stored']} tokens stored, {result['hits']} hit(s)"
     )
+    say(
+        f"pages: {human_bytes(result['raw_page_bytes'])} decoded, "
+        f"{human_bytes(result['stored_page_bytes'])} on disk (ratio "
+        f"{_ratio(result['raw_page_bytes'], result['stored_page_bytes'])})"
+    )
     say("by reason: " + (", ".join(f"{k} {v}" for k, v in sorted(by_reason.items())) or "-"))
     say(f"quarantined: {result['quarantined']}, unreadable: {result['unreadable']}")
     for row in spaces:
         say(
             f"{_describe(row)}\n  {row['files']} file(s), {human_bytes(row['bytes'])}, "
-            f"{row['tokens_stored']} tokens"
+            f"{row['tokens_stored']} tokens, pages ratio "
+            f"{_ratio(row['raw_page_bytes'], row['stored_page_bytes'])}"
         )
     return 0
 

@@ -13,6 +13,8 @@ COUNTERS = (
     "tokens_loaded",
     "bytes_written",
     "bytes_read",
+    "page_bytes_decoded",
+    "page_bytes_stored",
     "save_failures",
     "evictions",
     "quarantined",
@@ -140,6 +142,21 @@ METRICS = (
     ),
     ("bytes_written", "counter", (), "Bytes of checkpoint files written.", "bytes_written"),
     ("bytes_read", "counter", (), "Bytes of checkpoint files read for restores.", "bytes_read"),
+    (
+        "page_bytes_decoded",
+        "counter",
+        (),
+        "Bytes of KV pages in the checkpoints written, before compression "
+        "(kv_disk_compression; their ratio to page_bytes_stored is the compression ratio).",
+        "page_bytes_decoded",
+    ),
+    (
+        "page_bytes_stored",
+        "counter",
+        (),
+        "Bytes the KV pages of the checkpoints written take on disk (compressed or raw).",
+        "page_bytes_stored",
+    ),
     (
         "evictions",
         "counter",

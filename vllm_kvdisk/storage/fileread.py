@@ -21,8 +21,18 @@ from typing import Any
 
 import xxhash
 
+from vllm_kvdisk.core.codec import (
+    CHUNK,
+    PACK_HEADER,
+    Packing,
+    chunk_raw_bytes,
+    decode_chunk,
+    unpack_header,
+    unpack_packing,
+)
 from vllm_kvdisk.core.format import (
     CHECKSUM,
+    DTYPES,
     FLAG_DELTA,
     FLAG_TOOL_MAP,
     GROUP,
@@ -34,6 +44,7 @@ from vllm_kvdisk.core.format import (
     PAGE_ALIGN,
     PAYLOAD_FIXED,
     PAYLOAD_MAGIC,
+    PAYLOAD_VERSION_PACKED,
     PAYLOAD_VERSIONS,
     TEXT_LEN,
     FormatError,
@@ -167,8 +178,16 @@ def read_meta(fd: int, file_size: int) -> Meta:
     count = payload.layout.num_layers + 1
     sums_raw = _read_span(fd, first, fixed_end + groups_len, CHECKSUM.size * count)
     payload = replace(payload, checksums=struct.unpack(f"<{count}Q", sums_raw))
+    if payload.version == PAYLOAD_VERSION_PACKED:
+        payload = replace(payload, packing=_read_packing(fd, first, header, payload, payload_at))
     offsets = compute_offsets(
-        text_len, header.tokens, payload.layout, payload.layer_blocks(), 0, len(payload.groups)
+        text_len,
+        header.tokens,
+        payload.layout,
+        payload.layer_blocks(),
+        0,
+        len(payload.groups),
+        payload.packing,
     )
     if offsets.ktm - offsets.payload != header.payload_bytes:
         raise FormatError(
@@ -187,8 +206,33 @@ def read_meta(fd: int, file_size: int) -> Meta:
             payload.layer_blocks(),
             ktm_len,
             len(payload.groups),
+            payload.packing,
         )
     return Meta(header, payload, offsets, text_len)
+
+
+def _read_packing(
+    fd: int, first: bytes, header: Header, payload: Payload, payload_at: int
+) -> Packing:
+    """The chunk table of a compressed file (after the token ids), checked against the
+    payload's size before it is read."""
+    end = payload_at + header.payload_bytes
+    table_at = (
+        payload_at
+        + PAYLOAD_FIXED.size
+        + GROUP.size * len(payload.groups)
+        + CHECKSUM.size * (payload.layout.num_layers + 1)
+        + 4 * header.tokens
+    )
+    if table_at + PACK_HEADER.size > end:
+        raise FormatError("packing header extends past the payload")
+    head = _read_span(fd, first, table_at, PACK_HEADER.size)
+    count = unpack_header(head)[2]
+    if table_at + PACK_HEADER.size + CHUNK.size * count > end:
+        raise FormatError(f"chunk table of {count} chunks extends past the payload")
+    table = _read_span(fd, first, table_at + PACK_HEADER.size, CHUNK.size * count)
+    lay = payload.layout
+    return unpack_packing(head, table, payload.layer_blocks(), lay.page_bytes, DTYPES[lay.dtype][1])
 
 
 def read_text(fd: int, meta: Meta, limit: int | None = None) -> bytes:
@@ -230,13 +274,38 @@ def text_sha1(fd: int, meta: Meta, chunk: int = CHECK_CHUNK) -> str:
 
 
 def check_layers(fd: int, meta: Meta, chunk: int = CHECK_CHUNK) -> None:
-    """Verify every layer's checksum in bounded memory; FormatError on a mismatch."""
+    """Verify every layer's checksum in bounded memory; FormatError on a mismatch.
+    Compressed pages: every chunk's stored and decoded checksums, and each layer's
+    checksum over its decoded pages."""
+    if meta.payload.packing is not None:
+        _check_packed(fd, meta)
+        return
     n_layers = meta.payload.layout.num_layers
     biggest = max(meta.offsets.layer_size(i) for i in range(n_layers))
     buf = bytearray(max(1, min(chunk, biggest)))
     for layer in range(n_layers):
         hasher = xxhash.xxh3_64()
         _stream(fd, meta.offsets.layer(layer), meta.offsets.layer_size(layer), hasher.update, buf)
+        if hasher.intdigest() != meta.payload.checksums[layer + 1]:
+            raise FormatError(f"checksum mismatch in layer {layer}")
+
+
+def _check_packed(fd: int, meta: Meta) -> None:
+    packing, lay = meta.payload.packing, meta.payload.layout
+    if packing is None:
+        raise ValueError("not a compressed file")
+    page = lay.page_bytes
+    biggest = packing.chunk_pages * page
+    out = bytearray(biggest)
+    for layer, (_, pages) in enumerate(meta.payload.layer_blocks()):
+        hasher = xxhash.xxh3_64()
+        for i, k in enumerate(packing.layer_chunks(layer)):
+            stored = memoryview(
+                _pread_exact(fd, packing.chunks[k].stored, meta.offsets.pages + packing.chunk_at[k])
+            )
+            view = memoryview(out)[: chunk_raw_bytes(packing, pages, page, i)]
+            decode_chunk(stored, packing.chunks[k], packing.planes, view)
+            hasher.update(view)
         if hasher.intdigest() != meta.payload.checksums[layer + 1]:
             raise FormatError(f"checksum mismatch in layer {layer}")
 

@@ -10,17 +10,25 @@ checksum while it is read (the restore's hot path; the file's metadata is read b
 
 Each piece is hashed right after its ``preadv`` (batched by IOV_MAX), while still in the
 CPU's caches. A checksum mismatch raises :class:`~vllm_kvdisk.core.format.FormatError`;
-the buffers then hold unverified bytes. Pure: standard library and xxhash.
+the buffers then hold unverified bytes.
+
+Compressed pages (payload version 4) take the same calls: only the chunks that hold a
+used page are read (one ``preadv`` per run of them, up to ``HOT_BYTES``), each proven by
+its stored checksum before it is decoded and by its decoded checksum after, straight into
+its destination where one buffer holds the whole chunk, else through a scratch buffer.
+Pure: standard library, numpy, xxhash and zstandard.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import xxhash
 
+from vllm_kvdisk.core.codec import chunk_raw_bytes, decode_chunk
 from vllm_kvdisk.core.format import FormatError
 from vllm_kvdisk.storage.fileread import Meta
 from vllm_kvdisk.storage.fsdir import IOV_MAX
@@ -48,6 +56,10 @@ def read_layers_into(
         have, want = sum(v.nbytes for v in views), meta.offsets.layer_size(first + i)
         if have != want:
             raise ValueError(f"buffers of {have} bytes for layer {first + i} of {want}")
+    if meta.payload.packing is not None:
+        for i, views in enumerate(layers):
+            _read_packed(fd, meta, first + i, _segments([(v.nbytes, [v]) for v in views]))
+        return
     for i, views in enumerate(layers):
         hasher = xxhash.xxh3_64()
         _read_hashed(fd, views, meta.offsets.layer(first + i), hasher, f"layer {first + i}")
@@ -117,6 +129,12 @@ def read_layer_parts(
         raise ValueError(f"layer {layer} outside the file")
     if sum(n for n, _ in parts) != meta.offsets.layer_size(layer):
         raise ValueError(f"parts do not cover layer {layer}")
+    if meta.payload.packing is not None:  # only the chunks of used pages are read
+        for nbytes, views in parts:
+            if views is not None and sum(v.nbytes for v in views) != nbytes:
+                raise ValueError(f"buffers for layer {layer} do not hold {nbytes} bytes")
+        _read_packed(fd, meta, layer, _segments(parts))
+        return
     at = meta.offsets.layer(layer)
     hasher = xxhash.xxh3_64()
     for nbytes, views in parts:
@@ -136,6 +154,96 @@ def read_layer_parts(
         at += nbytes
     if hasher.intdigest() != meta.payload.checksums[layer + 1]:
         raise FormatError(f"checksum mismatch in layer {layer}")
+
+
+def _segments(
+    parts: Sequence[tuple[int, Sequence[memoryview] | None]],
+) -> list[tuple[int, memoryview]]:
+    """``(offset in the decoded layer, byte view)`` of every buffer to fill, in order."""
+    out: list[tuple[int, memoryview]] = []
+    at = 0
+    for nbytes, views in parts:
+        if views is not None:
+            pos = at
+            for view in views:
+                if view.ndim != 1 or view.itemsize != 1:
+                    view = view.cast("B")
+                if view.nbytes:
+                    out.append((pos, view))
+                pos += view.nbytes
+        at += nbytes
+    return out
+
+
+_scratch = threading.local()
+
+
+def _buffer(name: str, size: int) -> memoryview:
+    """A per-thread buffer of at least ``size`` bytes, kept for the next call."""
+    buf = getattr(_scratch, name, None)
+    if buf is None or len(buf) < size:
+        buf = bytearray(max(size, HOT_BYTES))
+        setattr(_scratch, name, buf)
+    return memoryview(buf)
+
+
+def _read_packed(fd: int, meta: Meta, layer: int, segments: list[tuple[int, memoryview]]) -> None:
+    """Fill ``segments`` of one compressed layer: read the chunks that overlap them, runs
+    of consecutive chunks at a time, check and decode each."""
+    packing = meta.payload.packing
+    if packing is None:
+        raise ValueError("not a compressed file")
+    page = meta.payload.layout.page_bytes
+    pages = meta.offsets.layer_size(layer) // page
+    step = packing.chunk_pages * page
+    first = packing.layer_first[layer]
+    wanted: list[int] = []  # chunk indices within the layer, ascending
+    for pos, view in segments:
+        for i in range(pos // step, (pos + view.nbytes - 1) // step + 1):
+            if not wanted or wanted[-1] < i:
+                wanted.append(i)
+    base = meta.offsets.pages
+    run: list[int] = []
+
+    def flush() -> None:
+        a, b = first + run[0], first + run[-1] + 1
+        size = packing.chunk_at[b] - packing.chunk_at[a]
+        stored = _buffer("stored", size)[:size]
+        _preadv_exact(fd, [stored], base + packing.chunk_at[a], f"layer {layer}")
+        for i in run:
+            k = first + i
+            raw_at, raw_size = i * step, chunk_raw_bytes(packing, pages, page, i)
+            piece = stored[packing.chunk_at[k] - packing.chunk_at[a] :][: packing.chunks[k].stored]
+            inside = [
+                (pos, v)
+                for pos, v in segments
+                if pos < raw_at + raw_size and pos + v.nbytes > raw_at
+            ]
+            if (
+                len(inside) == 1
+                and inside[0][0] <= raw_at
+                and (inside[0][0] + inside[0][1].nbytes >= raw_at + raw_size)
+            ):  # one buffer holds the whole chunk: decode straight into it
+                pos, v = inside[0]
+                decode_chunk(piece, packing.chunks[k], packing.planes, v[raw_at - pos :][:raw_size])
+                continue
+            out = _buffer("decoded", raw_size)[:raw_size]
+            decode_chunk(piece, packing.chunks[k], packing.planes, out)
+            for pos, v in inside:
+                lo, hi = max(pos, raw_at), min(pos + v.nbytes, raw_at + raw_size)
+                v[lo - pos : hi - pos] = out[lo - raw_at : hi - raw_at]
+
+    for i in wanted:
+        k = first + i
+        if run and (
+            i != run[-1] + 1
+            or packing.chunk_at[k + 1] - packing.chunk_at[first + run[0]] > HOT_BYTES
+        ):
+            flush()
+            run = []
+        run.append(i)
+    if run:
+        flush()
 
 
 def read_layer_into(
