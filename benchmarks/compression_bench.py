@@ -41,6 +41,7 @@ from io_bench import CHUNK, drop_cache, raw_read
 
 from vllm_kvdisk.core.encode import encode_checkpoint
 from vllm_kvdisk.storage.fileread import read_meta, read_text, read_tokens, read_tool_map
+from vllm_kvdisk.storage.fsdir import writev_all
 from vllm_kvdisk.storage.pageread import read_layers_into
 
 REPEAT = 5
@@ -55,7 +56,7 @@ def engine_files(model: str, dtype: str, prompt_ids: list[int], work: str) -> li
     llm = harness_llm(
         model,
         kv,
-        max_model_len=16384,
+        max_model_len=8192,
         llm_args={"dtype": dtype},
         kv_cache_min_tokens=128,
         kv_disk_compression="off",
@@ -106,7 +107,7 @@ def encode(part, compress: bool):
 def write_file(path: str, enc) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.writev(fd, enc.buffers)
+        writev_all(fd, enc.buffers)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -302,8 +303,8 @@ def main() -> None:
             {"role": "system", "content": "You are a careful coding agent."},
             {"role": "user", "content": text},
         ]
-        chat = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        chat = list(chat["input_ids"] if isinstance(chat, dict) else chat)[: args.tokens]
+        rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        chat = tok(rendered, add_special_tokens=False)["input_ids"][: args.tokens]
         wide = str(build_tiny_model(os.path.join(work, "wide"), shape=model_shape(768, 8)))
         ids = np.random.default_rng(1).integers(10, 4000, args.tokens).tolist()
         for label, model, prompt in (("SmolLM2", smol, chat), ("wide random", wide, ids)):

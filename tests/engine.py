@@ -13,10 +13,13 @@ from vllm_kvdisk.testing.harness import free_port, generate, random_prompt, shar
 
 ALIGN = 256  # small grid so tests stay fast: checkpoints at 128, 384, 640, ... (block 128)
 # "always": tests assert exact hit counts; the cost-aware default is tested on its own.
+# "zstd": every engine test restores compressed pages (auto writes raw files on this
+# machine's 2 CPUs); raw files are tested where a test asks for "off".
 CFG = {
     "kv_cache_boundary_align_tokens": ALIGN,
     "kv_cache_min_tokens": 128,
     "kv_disk_load_policy": "always",
+    "kv_disk_compression": "zstd",
 }
 # How long a test waits for what background threads do after a request returned (a save's
 # write and fsync, a trace line). A guard against a hang, never a verdict: a VM's disk has
@@ -29,6 +32,8 @@ FLAGS = (
     "128",
     "--kv-disk-load-policy",
     "always",
+    "--kv-disk-compression",
+    "zstd",
 )
 
 

@@ -311,8 +311,14 @@ def test_kvdisk_verify_catches_a_flipped_byte_in_a_compressed_chunk(tmp_path, ca
     assert "chunk" in report.problems[0].detail
 
 
+def test_auto_writes_raw_files_on_a_small_host():
+    assert not Choice("auto", cpus=2).compress() and Choice("zstd", cpus=2).compress()
+    assert Choice("auto", cpus=codec.AUTO_MIN_CPUS).compress()
+    assert "raw files" in Choice("auto", cpus=2).describe()
+
+
 def test_auto_gives_up_on_pages_that_do_not_shrink_and_zstd_never_does():
-    auto, always, off = Choice("auto"), Choice("zstd"), Choice("off")
+    auto, always, off = Choice("auto", 64), Choice("zstd", 64), Choice("off", 64)
     assert auto.compress() and always.compress() and not off.compress()
     step = 8 << 20
     for _ in range(codec.AUTO_PROBE_BYTES // step - 1):  # fp8-like: 1.01x
@@ -321,7 +327,7 @@ def test_auto_gives_up_on_pages_that_do_not_shrink_and_zstd_never_does():
     assert auto.compress()  # not yet 64 MiB seen
     assert auto.observe(step, int(step / 1.01))
     assert not auto.compress() and always.compress()
-    kv = Choice("auto")
+    kv = Choice("auto", 64)
     kv.observe(1 << 30, 700 << 20)  # bf16 KV: 1.46x
     assert kv.compress()
     with pytest.raises(ValueError):

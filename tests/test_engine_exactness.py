@@ -44,16 +44,16 @@ def test_greedy_tokens_identical_no_cache_gpu_hit_disk_hit_and_after_restart(
     assert restart_cached == 1408
     assert reference == cold == gpu == disk == restarted
     assert len(set(reference)) > 4  # the model is not stuck on one token
-    assert payload_versions(kv) == {4}  # the default compresses the pages
+    assert payload_versions(kv) == {4}  # the tests' setting compresses the pages
 
 
 @DTYPES
-@pytest.mark.parametrize("compression", ["auto", "off"])
+@pytest.mark.parametrize("compression", ["zstd", "off"])
 def test_pages_read_back_are_byte_identical_to_pages_written(
     tiny_model, tmp_path, monkeypatch, dtype, compression
 ):
-    """The default (auto) writes compressed pages, off raw ones: both restore the bytes the
-    engine's blocks held."""
+    """Compressed pages (zstd) and raw ones (off) both restore the bytes the engine's
+    blocks held."""
     import vllm_kvdisk.connector.restore as restore_mod
 
     written: dict[int, np.ndarray] = {}  # block index in the request -> page bytes, layer 0
@@ -108,7 +108,7 @@ def test_pages_read_back_are_byte_identical_to_pages_written(
         for i in range(7):
             assert read[i].tobytes() == written[i].tobytes() == in_cache[i].tobytes()
     assert sorted(layer for layer, _ in loaded) == [0, 1, 2, 3]  # every layer was restored
-    assert payload_versions(kv) == ({4} if compression == "auto" else {2})
+    assert payload_versions(kv) == ({4} if compression == "zstd" else {2})
 
 
 def payload_versions(kv: str) -> set[int]:

@@ -10,6 +10,8 @@ import pytest
 from engine import OUTCOME_WAIT_S, Server, disk_tokens, events
 from helpers import text
 
+from vllm_kvdisk.storage.fileread import read_meta
+
 pytestmark = pytest.mark.engine
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,6 +72,17 @@ def test_metrics_follow_a_chat(tiny_model, tmp_path):
         assert m("vllm:kvdisk_disk_bytes") == sum(os.path.getsize(p) for p in files)
         assert m("vllm:kvdisk_bytes_written_total") == sum(os.path.getsize(p) for p in files)
         assert m("vllm:kvdisk_save_seconds_count") == len(files)
+        # The pages' bytes on disk (compressed by default) against the same pages decoded.
+        stored, decoded = 0, 0
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                meta = read_meta(fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+            stored, decoded = stored + meta.offsets.stored_bytes, decoded + meta.offsets.raw_bytes
+        assert m("vllm:kvdisk_page_bytes_stored_total") == stored
+        assert m("vllm:kvdisk_page_bytes_decoded_total") == decoded > stored
         assert m("vllm:kvdisk_disk_budget_bytes") == 8192 * 1024 * 1024
         assert m("vllm:kvdisk_pending_writes") == 0
         assert m("vllm:kvdisk_errors_total") == 0 and m("vllm:kvdisk_saves_skipped_total") == 0

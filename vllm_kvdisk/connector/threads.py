@@ -126,3 +126,12 @@ def shorten_gil_switch(switch_us: int) -> None:
             want * 1e6,
         )
         sys.setswitchinterval(want)
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its cpuset, e.g. a pod's; the host's count where the
+    platform cannot say)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

@@ -35,7 +35,13 @@ from vllm_kvdisk.connector.guard import guarded
 from vllm_kvdisk.connector.jobs import SaveJob, Scope, StepMeta, WorkerReport
 from vllm_kvdisk.connector.loading import Loads
 from vllm_kvdisk.connector.staging import StagingPool
-from vllm_kvdisk.connector.threads import CpuPlan, current_plan, pin, shorten_gil_switch
+from vllm_kvdisk.connector.threads import (
+    CpuPlan,
+    current_plan,
+    pin,
+    shorten_gil_switch,
+    usable_cpus,
+)
 from vllm_kvdisk.connector.transfer import PageMover, block_pages, pinned_buffer, unique_layers
 from vllm_kvdisk.core.codec import Choice
 from vllm_kvdisk.core.compat import Placement
@@ -96,7 +102,8 @@ class WorkerSide:
             1, thread_name_prefix="kvdisk-copy", initializer=lambda: pin(self._cpus.saves)
         )
         self.staging = StagingPool(config.kv_disk_staging_mb * 1024 * 1024)
-        self.compression = Choice(config.kv_disk_compression)
+        self.compression = Choice(config.kv_disk_compression, usable_cpus())
+        log.info("kvdisk: %s", self.compression.describe())
         self.mover: PageMover | None = None
         self._lock = threading.Lock()
         self._report = WorkerReport()

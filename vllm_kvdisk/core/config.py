@@ -152,9 +152,11 @@ class KVDiskConfig:
     )
     kv_disk_compression: str = knob(
         "auto",
-        "lossless compression of the pages on disk (byte planes + zstd, in chunks; exact): "
-        "zstd always, auto until the first 64 MiB of pages shrink by less than 1/21 (fp8 "
-        "KV: raw files from then on), off: raw files (every build since format 2 reads them)",
+        "lossless compression of the pages on disk (byte planes + zstd, in chunks; exact; "
+        "bf16 KV takes ~0.7 of its bytes): zstd always; auto on a host of 8 or more CPUs "
+        "(on fewer, decoding slows restores more than the smaller reads speed them), until "
+        "64 MiB of pages shrank by less than 1.05x (fp8 KV: raw files from then on); off: "
+        "raw files (every build since format 2 reads them)",
         choices=COMPRESSION_MODES,
     )
     kv_disk_lock_timeout_s: int = knob(
