@@ -339,3 +339,20 @@ def test_the_stored_checksum_is_over_the_bytes_on_disk():
     chunk, stored = encode_chunk(data, 2)
     assert chunk.stored_sum == xxhash.xxh3_64_intdigest(b"".join(stored))
     assert chunk.raw_sum == xxhash.xxh3_64_intdigest(data)
+
+
+@pytest.mark.parametrize(
+    "field,value,why",
+    [(8, 1 << 20, "too large"), (12, (1 << 20) + 1, "chunk count")],
+)
+def test_a_table_claiming_huge_chunks_or_counts_is_refused_before_any_allocation(
+    tmp_path, field, value, why
+):
+    """A sparse file may claim any size: chunks past 16 MiB decoded (unless one page) and
+    tables past 2^20 chunks are corrupt, so a reader's memory stays bounded."""
+    raw, _, _ = compressed_file(tmp_path)
+    meta = read_meta(write(tmp_path, raw), len(raw))
+    bad = bytearray(raw)
+    struct.pack_into("<I", bad, meta.offsets.table + field, value)
+    with pytest.raises(FormatError, match=why):
+        read_meta(write(tmp_path, bytes(bad), "huge.kv"), len(bad))

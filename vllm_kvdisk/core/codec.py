@@ -51,6 +51,11 @@ RAW_PLANE = 1 << 31
 MAX_PLANES = 4
 CHUNK_TARGET_BYTES = 256 << 10  # decoded bytes of a chunk, rounded down to whole pages
 MIN_RATIO = 1.05  # a plane zstd shrinks by less is stored raw
+# What a reader accepts (a sparse file can claim any size; memory stays bounded): chunks of
+# one page, or of at most MAX_CHUNK_BYTES decoded; at most MAX_CHUNKS in a file (a 32 MiB
+# table; 2^20 chunks of 256 KiB are 256 GiB of pages).
+MAX_CHUNK_BYTES = 16 << 20
+MAX_CHUNKS = 1 << 20
 ZSTD_LEVEL = 1
 AUTO_PROBE_BYTES = 64 << 20  # auto: page bytes seen before it may give up on compressing
 if PACK_HEADER.size != 32 or CHUNK.size != 32:
@@ -149,6 +154,8 @@ def unpack_header(buf: bytes) -> tuple[int, int, int, int, int]:
         raise FormatError(f"unknown page codec {codec}")
     if not 1 <= planes <= MAX_PLANES or chunk_pages < 1:
         raise FormatError(f"bad plane count {planes} or chunk pages {chunk_pages}")
+    if count > MAX_CHUNKS:
+        raise FormatError(f"chunk count {count} > {MAX_CHUNKS}")
     return planes, chunk_pages, count, stored, table_sum
 
 
@@ -163,6 +170,8 @@ def unpack_packing(
     chunk count the layers need, each plane's length within what it decodes to, and the
     stored total. Raises FormatError."""
     planes, chunk_pages, count, stored, table_sum = unpack_header(head)
+    if chunk_pages > 1 and chunk_pages * page_bytes > MAX_CHUNK_BYTES:
+        raise FormatError(f"chunks of {chunk_pages} pages of {page_bytes} bytes: too large")
     if planes != itemsize:
         raise FormatError(f"{planes} byte planes for a dtype of {itemsize} bytes")
     if count != chunk_count(layer_blocks, chunk_pages) or len(table) != CHUNK.size * count:
@@ -199,7 +208,10 @@ def chunk_raw_bytes(packing: Packing, layer_pages: int, page_bytes: int, index: 
     return min(packing.chunk_pages, layer_pages - index * packing.chunk_pages) * page_bytes
 
 
-_WORDS: dict[int, np.dtype[Any]] = {2: np.dtype("<u2"), 4: np.dtype("<u4")}  # planes -> the word they interleave into
+_WORDS: dict[int, np.dtype[Any]] = {
+    2: np.dtype("<u2"),
+    4: np.dtype("<u4"),
+}  # planes -> the word they interleave into
 _local = threading.local()
 
 
