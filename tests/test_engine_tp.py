@@ -307,3 +307,48 @@ def test_under_a_small_budget_both_ranks_lose_a_checkpoint_together(tiny_model, 
     assert size <= budget_mb << 20
     # The first prompt's checkpoint went from both ranks: a miss, never a failed load.
     assert count(after, *OUTCOMES) == 0 and again == answers[0]
+
+
+def test_an_empty_disk_restores_both_ranks_from_the_object_store(
+    run: Run, reference, seaweed, tiny_model, tmp_path, monkeypatch
+):
+    """A TP 2 replica on an empty disk, with the run's files in a bucket (each uploaded
+    with the uploader's own call): the fetch brings rank 1's files beside rank 0's, both
+    ranks load, and the answer is the run's."""
+    import uuid
+
+    from vllm_kvdisk.core.objects import ObjectUrl
+    from vllm_kvdisk.storage.objectstore import Bucket
+
+    for name, value in seaweed.env().items():
+        monkeypatch.setenv(name, value)
+    url = f"s3://{seaweed.bucket}/tp2-{uuid.uuid4().hex[:8]}"
+    bucket = Bucket(ObjectUrl.parse(url), timeout_s=5.0)
+    for ns_dir in rank_dirs(run.kv).values():
+        for sha1 in kv_names(ns_dir):
+            with open(os.path.join(ns_dir, sha1 + ".kv"), "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                bucket.put_file(os.path.basename(ns_dir), sha1, fh.fileno(), size)
+    kv, trace = str(tmp_path / "kv"), str(tmp_path / "trace.txt")
+    server = Server(
+        tiny_model,
+        kv,
+        str(tmp_path / "server.log"),
+        "--trace",
+        trace,
+        "--kv-object-url",
+        url,
+        *TP_ARGS,
+        env={**TP_ENV, **seaweed.env()},
+    )
+    try:
+        turn = run.restart
+        reply = server.chat(turn.messages, max_tokens=len(turn.generated), return_token_ids=True)
+        evs = wait_for(trace, 0, lambda e: count(e, *OUTCOMES) >= 2)
+    finally:
+        server.stop()
+    assert reply["prompt_token_ids"] == turn.prompt
+    assert reply["choices"][0]["token_ids"] == turn.generated == reference[("main", 2)]
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == turn.cached
+    assert count(evs, "load_failed") == 0 and count(evs, "loaded") == 2, [e.line for e in evs]
+    assert all(kv_names(d) for d in rank_dirs(kv).values())  # both ranks' files fetched

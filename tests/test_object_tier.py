@@ -42,8 +42,10 @@ def counts(tier):
     return Counts(tier).seen
 
 
-def tier_of(store, url, timeout_s=5.0, deadline_s=20.0):
-    return ObjectTier(store, Bucket(url, timeout_s=timeout_s), deadline_s=deadline_s)
+def tier_of(store, url, timeout_s=5.0, deadline_s=20.0, retry_after_s=(0.05,)):
+    return ObjectTier(
+        store, Bucket(url, timeout_s=timeout_s), deadline_s=deadline_s, retry_after_s=retry_after_s
+    )
 
 
 def url_of(seaweed):
@@ -139,7 +141,7 @@ def test_store_down_is_a_miss_within_the_deadline(tmp_path, monkeypatch):
     tier = tier_of(a, ObjectUrl.parse("s3://kvdisk-test/x"), timeout_s=1.0, deadline_s=5.0)
     tier.saved(ns, child.sha1)
     assert tier.drain(30)
-    assert counts(tier)["upload_failed"] == 1
+    assert counts(tier) == {"upload_retried": 1, "upload_failed": 1}  # tried twice
     started = time.monotonic()
     job = fetch_into(a, tier, ns, p, local_hit=0)
     assert job is not None and job.installed == []
@@ -196,3 +198,109 @@ def test_a_parent_inside_another_conversation_is_fetched_by_its_name(aws, tmp_pa
     assert verify(b).ok
     for t in (tier_a, tier_b):
         t.close()
+
+
+def shard_files(store, fps, p, rng_seed=1):
+    """The same root (48 tokens) and child (112) of prompt ``p`` in each shard's namespace
+    (TP ranks: the same names, each rank its own pages)."""
+    from synth import LAYOUT, pages
+
+    from vllm_kvdisk.core.encode import encode_plan
+    from vllm_kvdisk.core.format import Reason
+
+    out = []
+    for fp in fps:
+        ns = store.ensure_namespace(fp)
+        rng = np.random.default_rng(rng_seed)
+        plans = []
+        for length in (48, 112):
+            plan = planner(store).plan_save(ns, p, length, Reason.COLD)
+            enc = encode_plan(
+                plan,
+                text=p.text_upto(plan.tokens),
+                ids=p.ids,
+                layers=pages(rng, plan),
+                layout=LAYOUT,
+                fingerprint=fp.digest(),
+                kv_dtype="float32",
+                context_size=8192,
+                now=1_000_000,
+            )
+            store.write(ns, plan.sha1, enc)
+            plans.append(plan)
+        out.append((ns, plans))
+    return out
+
+
+def test_tp_shards_are_fetched_together_and_a_name_waits_for_every_shard(aws, tmp_path):
+    """With TP 2 each rank loads its own namespace's file of a name: a fetch brings every
+    shard's file, and installs a name in rank 0's namespace (where lookups look) only once
+    every shard has it, so no rank is left to fail its load."""
+    from dataclasses import replace
+
+    url = url_of(aws)
+    fps = [replace(FP, tp_size=2, tp_rank=r) for r in (0, 1)]
+    a = Store(str(tmp_path / "a" / "cache"), space_bytes=1 << 30)
+    p = prompt(9)
+    (ns0, (root, child)), (ns1, _) = shard_files(a, fps, p)
+    tier_a = tier_of(a, url)
+    for ns in (ns0, ns1):
+        for plan in (root, child):
+            tier_a.saved(ns, plan.sha1)
+    assert tier_a.drain(30)
+
+    def fetch(b):
+        tier_b = tier_of(b, url)
+        names = lambda: prefix_names(byte_table(), p.ids, BLOCK, 150)  # noqa: E731
+        made = lambda: [b.ensure_namespace(fps[1])]  # noqa: E731 - rank 0's made by the caller
+        b.ensure_namespace(fps[0])
+        job = tier_b.fetch(ns0, names, 0, lambda s: b.index.get(ns0, s) is not None, made)
+        assert job is not None and job.done.wait(30)
+        tier_b.close()
+        return job
+
+    b = Store(str(tmp_path / "b" / "cache"), space_bytes=1 << 30)
+    job = fetch(b)
+    assert not job.reason and sorted(job.installed) == sorted([root.sha1, child.sha1])
+    for ns in (ns0, ns1):
+        for plan in (root, child):
+            with open(a.path(ns, plan.sha1), "rb") as fa, open(b.path(ns, plan.sha1), "rb") as fb:
+                assert fa.read()[48:] == fb.read()[48:]
+    assert planner(b).lookup(ns0, p.ids, 150).tokens == 112
+    assert verify(b).ok
+
+    # Rank 1's child is gone from the bucket: rank 0's child is not installed (a hit on it
+    # would fail rank 1's load), the root is, for both ranks.
+    aws.client().delete_object(Bucket=aws.bucket, Key=url.key(ns1, child.sha1))
+    c = Store(str(tmp_path / "c" / "cache"), space_bytes=1 << 30)
+    job = fetch(c)
+    assert job.installed == [root.sha1] and "another TP rank" in job.reason
+    assert c.index.get(ns1, root.sha1) is not None and c.index.get(ns0, child.sha1) is None
+    assert planner(c).lookup(ns0, p.ids, 150).tokens == 48
+    for t in (tier_a,):
+        t.close()
+
+
+def test_a_failed_upload_is_tried_again_and_lands(aws, tmp_path, monkeypatch):
+    """The store refuses the first attempt (a failure injected into the client call; the
+    second goes to the real server): the object lands, counted once retried."""
+    from vllm_kvdisk.storage.objectstore import ObjectStoreError
+
+    url = url_of(aws)
+    a, ns, p, root, child = two_files(tmp_path)
+    tier = tier_of(a, url)
+    real, calls = tier.bucket.put_file, []
+
+    def flaky(*args):
+        calls.append(args[:2])
+        if len(calls) == 1:
+            raise ObjectStoreError("503 Slow Down (injected)")
+        return real(*args)
+
+    monkeypatch.setattr(tier.bucket, "put_file", flaky)
+    tier.saved(ns, root.sha1)
+    assert tier.drain(30)
+    assert counts(tier) == {"upload_retried": 1, "uploaded": 1}
+    assert calls == [(ns, root.sha1)] * 2
+    assert tier.bucket.list_names(ns) == {root.sha1}
+    tier.close()

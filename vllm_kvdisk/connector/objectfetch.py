@@ -41,10 +41,12 @@ class ObjectFetches:
         ids: Any,
         usable: int,
         local_hit: int,
-        make_namespace: Callable[[], object],
+        make_namespaces: Callable[[], list[str]],
     ) -> bool:
         """Fetch what the bucket holds of this prompt deeper than the disk's ``local_hit``
-        (once per request, on the tier's threads); True if the request waits for it."""
+        (once per request, on the tier's threads); True if the request waits for it.
+        ``make_namespaces()`` makes ``ns`` and returns the other KV shards' namespaces
+        (TP > 1), whose files of the same names are fetched with ``ns``'s."""
         if req_id in self._had or local_hit >= usable - usable % self.block_size:
             return False  # had its fetch, or nothing deeper could exist anywhere
         table, block, first = self.table, self.block_size, self.min_tokens
@@ -54,11 +56,11 @@ class ObjectFetches:
             lambda: prefix_names(table, ids, block, usable, first=first),
             local_hit,
             lambda s: index.get(ns, s) is not None,
+            make_namespaces,  # their namespace.json, as a save would write it
         )
         self._had[req_id] = job
         if job is None:
             return False
-        make_namespace()  # its namespace.json, as a save would write it
         self._waiting[req_id] = job
         return True
 

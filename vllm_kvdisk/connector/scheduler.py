@@ -25,6 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -72,8 +73,10 @@ class SchedulerSide:
         events: bool = False,
         workers: int = 1,
         groups: tuple[Group, ...] = FULL_ONLY,
+        kv_shards: int = 1,
     ):
         self.config = config
+        self.kv_shards = kv_shards  # TP ranks with their own pages (namespaces)
         # KV cache groups (a hybrid model has several): a block id list each, in this order.
         self.groups = groups
         self.blocks = GroupBlocks(groups, block_size)
@@ -163,6 +166,16 @@ class SchedulerSide:
     def _ns(self, scope: Scope) -> str:
         return self.namespaces.name(scope.lora, scope.salt_digest)
 
+    def _shard_namespaces(self, scope: Scope) -> list[str]:
+        """The namespaces of the scope's other KV shards (TP ranks 1.. with pages of their
+        own), each made as a save would make it; rank 0's is made too."""
+        fp = self.namespaces.fingerprint(scope.lora, scope.salt_digest)
+        self.store.ensure_namespace(fp)
+        return [
+            self.store.ensure_namespace(dataclasses.replace(fp, tp_rank=shard))
+            for shard in range(1, self.kv_shards)
+        ]
+
     def _state(self, request: Any) -> RequestState:
         st = self._reqs.get(request.request_id)
         if st is None:
@@ -226,9 +239,7 @@ class SchedulerSide:
                 ids,
                 usable,
                 st.memo.tokens,
-                lambda: self.store.ensure_namespace(
-                    self.namespaces.fingerprint(st.scope.lora, st.scope.salt_digest)
-                ),
+                lambda: self._shard_namespaces(st.scope),
             ):
                 st.memo_key = None
                 return None, False

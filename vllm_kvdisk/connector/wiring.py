@@ -200,6 +200,9 @@ def build_scheduler_side(vllm_config: VllmConfig, kv_cache_config: Any) -> Sched
         groups=placement.groups,
         events=bool(events and events.enable_kv_cache_events),
         workers=vllm_config.parallel_config.world_size,
+        # The other KV shards' namespaces (TP > 1) are fetched from a bucket beside rank
+        # 0's; a pipeline stage's layer range is not known here, so stages are not.
+        kv_shards=placement.shard.count if fp.pp_size == 1 else 1,
     )
 
 

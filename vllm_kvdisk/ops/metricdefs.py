@@ -27,6 +27,7 @@ OBJECT_OUTCOMES = (
     "upload_exists",
     "upload_dropped",
     "upload_gone",
+    "upload_retried",
     "upload_failed",
     "fetched",
     "fetch_skipped",
@@ -129,7 +130,8 @@ METRICS = (
         "counter",
         ("outcome",),
         "Files moved between the disk and the object store (--kv-object-url), by outcome: "
-        "uploaded, upload_exists, upload_dropped (queue full), upload_gone, upload_failed, "
+        "uploaded, upload_exists, upload_dropped (queue full), upload_gone, upload_retried "
+        "(tried again after 5, 30, 120 s), upload_failed (after the last), "
         "fetched, fetch_skipped, fetch_failed, corrupt, list_failed.",
         "objects",
     ),

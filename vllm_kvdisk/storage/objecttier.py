@@ -4,8 +4,9 @@ volume share checkpoints (which objects: ``core.objects``; the client: ``objects
 * Uploads are write-behind: a saved file's name goes into a bounded queue that one thread
   drains, reading the file through one descriptor (an eviction meanwhile changes nothing
   it sends) and writing the object only if it is not there (``If-None-Match``). A full
-  queue drops the upload (counted ``upload_dropped``); nothing on the engine's step waits
-  for the bucket.
+  queue drops the upload (counted ``upload_dropped``); a failed one is tried again after
+  each of ``RETRY_AFTER_S`` (``upload_retried``), then counted ``upload_failed``; nothing
+  on the engine's step waits for the bucket.
 * A replica knows a namespace's objects from a listing (the first lookup in the
   namespace waits for it, within the deadline), its own uploads, and listings again every
   ``LIST_EVERY_S`` or, after a lookup the bucket did not serve, every
@@ -51,6 +52,11 @@ from vllm_kvdisk.storage.store import Store
 log = get_logger(__name__)
 
 UPLOAD_QUEUE = 256  # saved files waiting for their upload; past it an upload is dropped
+# A failed upload is tried again after each of these waits, then counted as failed: a store
+# that restarts or throttles for minutes still gets the files (a down store costs one
+# attempt per file per wait, on the uploader's one thread, never the engine's step).
+RETRY_AFTER_S = (5.0, 30.0, 120.0)
+RETRY_PENDING_MAX = 4096  # uploads waiting for a retry; past it a failure is final
 FETCH_FILES = 4  # objects of one fetch downloaded at once (each in parallel ranges)
 PARENT_ROUNDS = 8  # parents named by downloaded files, fetched in at most this many rounds
 CALL_TIMEOUT_S = 10.0  # connect and read timeouts of one call to the store
@@ -63,6 +69,7 @@ class Fetch:
     ns: str
     deadline: float
     started: float = 0.0
+    siblings: tuple[str, ...] = ()  # the other KV shards' namespaces (TP > 1)
     done: threading.Event = field(default_factory=threading.Event)
     installed: list[str] = field(default_factory=list)
     nbytes: int = 0
@@ -85,6 +92,7 @@ class ObjectTier:
         deadline_s: float,
         clock: Callable[[], float] = time.monotonic,
         queue_max: int = UPLOAD_QUEUE,
+        retry_after_s: tuple[float, ...] = RETRY_AFTER_S,
     ):
         self.store = store
         self.bucket = bucket
@@ -94,7 +102,9 @@ class ObjectTier:
         self._lock = threading.Lock()
         self._listings: dict[str, Listing] = {}
         self._bad: set[tuple[str, str]] = set()
-        self._uploads: queue.Queue[tuple[str, str] | None] = queue.Queue(queue_max)
+        self._uploads: queue.Queue[tuple[str, str, int] | None] = queue.Queue(queue_max)
+        self.retry_after_s = retry_after_s
+        self._retries: dict[tuple[str, str], tuple[int, float]] = {}  # -> (attempt, due)
         self._jobs = ThreadPoolExecutor(2, thread_name_prefix="kvdisk-fetch")
         self._files = ThreadPoolExecutor(FETCH_FILES, thread_name_prefix="kvdisk-fetch-file")
         self._uploader = threading.Thread(
@@ -131,20 +141,30 @@ class ObjectTier:
     def saved(self, ns: str, sha1: str) -> None:
         """A checkpoint landed on the local disk: upload it behind the engine's back."""
         try:
-            self._uploads.put_nowait((ns, sha1))
+            self._uploads.put_nowait((ns, sha1, 0))
         except queue.Full:
             self._count("upload_dropped")
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait until the uploads queued so far are done (tests, shutdown)."""
+        """Wait until the uploads queued so far are done, retries included (tests,
+        shutdown)."""
         end = self.clock() + timeout_s
-        while self._uploads.unfinished_tasks and self.clock() < end:
+
+        def busy() -> bool:
+            with self._lock:
+                return bool(self._uploads.unfinished_tasks or self._retries)
+
+        while busy() and self.clock() < end:
             time.sleep(0.01)
-        return not self._uploads.unfinished_tasks
+        return not busy()
 
     def _upload_loop(self) -> None:
         while True:
-            item = self._uploads.get()
+            self._queue_due_retries()
+            try:
+                item = self._uploads.get(timeout=0.5)
+            except queue.Empty:
+                continue
             try:
                 if item is None:
                     return
@@ -155,7 +175,36 @@ class ObjectTier:
             finally:
                 self._uploads.task_done()
 
-    def _upload(self, ns: str, sha1: str) -> None:
+    def _queue_due_retries(self) -> None:
+        now = self.clock()
+        with self._lock:
+            due = [(k, a) for k, (a, at) in self._retries.items() if at <= now]
+        for (ns, sha1), attempt in due:
+            try:
+                self._uploads.put_nowait((ns, sha1, attempt))
+            except queue.Full:
+                return  # stays pending: tried when the queue has room
+            with self._lock:
+                del self._retries[(ns, sha1)]
+
+    def _failed(self, ns: str, sha1: str, attempt: int, why: str) -> None:
+        """Try the upload again after the next wait, or count it failed."""
+        with self._lock:
+            retry = attempt < len(self.retry_after_s) and len(self._retries) < RETRY_PENDING_MAX
+            if retry:
+                due = self.clock() + self.retry_after_s[attempt]
+                self._retries[(ns, sha1)] = (attempt + 1, due)
+        log.warning(
+            "kvdisk: upload of %s/%s.kv failed (attempt %d)%s: %s",
+            ns,
+            sha1,
+            attempt + 1,
+            f"; again in {self.retry_after_s[attempt]:.0f} s" if retry else "",
+            why,
+        )
+        self._count("upload_retried" if retry else "upload_failed")
+
+    def _upload(self, ns: str, sha1: str, attempt: int = 0) -> None:
         try:
             fd = self.store.open_file(ns, sha1)
         except OSError:
@@ -164,8 +213,7 @@ class ObjectTier:
         try:
             created = self.bucket.put_file(ns, sha1, fd, os.fstat(fd).st_size)
         except ObjectStoreError as exc:
-            log.warning("kvdisk: upload of %s/%s.kv failed: %s", ns, sha1, exc)
-            self._count("upload_failed")
+            self._failed(ns, sha1, attempt, str(exc))
             return
         finally:
             os.close(fd)
@@ -213,12 +261,16 @@ class ObjectTier:
         names: Callable[[], list[tuple[int, str]]],
         local_hit: int,
         is_local: Callable[[str], bool],
+        make_namespaces: Callable[[], list[str]] = list,
     ) -> Fetch | None:
         """Start fetching what the bucket holds of the prompt deeper than ``local_hit``
         (``names()``: its prefixes' names, shallowest first, computed only where the
         bucket holds something of ``ns``; on the fetch's thread before the first listing),
         or None if it holds nothing more as far as this replica knows (a listing may then
-        start in the background)."""
+        start in the background). ``make_namespaces()``, called once a fetch starts, makes
+        the directories and returns the other KV shards' namespaces (TP > 1): each gets
+        its files of the names fetched for ``ns``, and a name of ``ns`` is installed only
+        once every shard has its file (a rank without one would fail its load)."""
         remote = self._remote(ns)
         found = None
         if remote is not None:
@@ -227,7 +279,7 @@ class ObjectTier:
                 self._list_in_background(ns)
                 return None
         now = self.clock()
-        job = Fetch(ns, now + self.deadline_s, now)
+        job = Fetch(ns, now + self.deadline_s, now, siblings=tuple(make_namespaces()))
         self._jobs.submit(
             self._run, job, found if found is not None else names, local_hit, is_local
         )
@@ -253,7 +305,7 @@ class ObjectTier:
                 for _ in range(PARENT_ROUNDS):
                     if not wanted or self.clock() >= job.deadline:
                         break
-                    for sha1, one in zip(wanted, self._download_all(stack, job, wanted)):
+                    for sha1, one in zip(wanted, self._download_all(stack, job, ns, wanted)):
                         if one is not None:
                             got[sha1] = one
                     wanted = [
@@ -264,7 +316,18 @@ class ObjectTier:
                         and p in remote
                         and not is_local(p)
                     ]
-                self._install(job, got)
+                for sibling in job.siblings:  # the other shards first, same names
+                    names_here = [s for s in got if self.store.index.get(sibling, s) is None]
+                    theirs = self._download_all(stack, job, sibling, names_here)
+                    self._install(job, sibling, {s: o for s, o in zip(names_here, theirs) if o})
+                whole = {
+                    sha1: one
+                    for sha1, one in got.items()
+                    if all(self.store.index.get(s, sha1) is not None for s in job.siblings)
+                }
+                if len(whole) < len(got) and not job.reason:
+                    job.reason = f"{len(got) - len(whole)} file(s) lack another TP rank's file"
+                self._install(job, ns, whole)
         except ObjectStoreError as exc:
             job.reason = f"object store: {exc}"
             self._count("fetch_failed")
@@ -276,15 +339,14 @@ class ObjectTier:
             job.done.set()
 
     def _download_all(
-        self, stack: contextlib.ExitStack, job: Fetch, wanted: Iterable[str]
+        self, stack: contextlib.ExitStack, job: Fetch, ns: str, wanted: Iterable[str]
     ) -> list[tuple[fsdir.TempFile, Summary] | None]:
-        futures = [self._files.submit(self._download, stack, job, s) for s in wanted]
+        futures = [self._files.submit(self._download, stack, job, ns, s) for s in wanted]
         return [f.result() for f in futures]
 
     def _download(
-        self, stack: contextlib.ExitStack, job: Fetch, sha1: str
+        self, stack: contextlib.ExitStack, job: Fetch, ns: str, sha1: str
     ) -> tuple[fsdir.TempFile, Summary] | None:
-        ns = job.ns
         size = self.bucket.size_of(ns, sha1)
         if size is None or size > self.store.space_bytes:
             return None  # gone since the listing, or could never fit
@@ -319,19 +381,21 @@ class ObjectTier:
         except ObjectStoreError as exc:
             log.warning("kvdisk: could not delete corrupt object %s: %s", sha1, exc)
 
-    def _install(self, job: Fetch, got: dict[str, tuple[fsdir.TempFile, Summary]]) -> None:
-        """Parents first: a name appears only while its parent is on disk."""
+    def _install(self, job: Fetch, ns: str, got: dict[str, tuple[fsdir.TempFile, Summary]]) -> None:
+        """Parents first: a name appears only while its parent is on disk. The names
+        installed in the job's own namespace are the job's ``installed``."""
         for sha1, (tmp, summary) in sorted(got.items(), key=lambda kv: kv[1][1].header.tokens):
             try:
-                self.store.adopt(job.ns, sha1, tmp, summary)
+                self.store.adopt(ns, sha1, tmp, summary)
             except SaveSkipped as exc:
                 if exc.reason != "exists":
                     job.reason = f"not installed: {exc}"
                     self._count("fetch_skipped")
                 continue
-            job.installed.append(sha1)
+            if ns == job.ns:
+                job.installed.append(sha1)
             self._count("fetched")
-        if job.installed:
+        if ns == job.ns and job.installed:
             self._count("fetched_bytes", job.nbytes)
 
 
