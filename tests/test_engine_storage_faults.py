@@ -132,6 +132,9 @@ def small_file_system(path: str, megabytes: int):
 
 
 def test_a_really_full_file_system_skips_saves_and_keeps_serving(tiny_model, tmp_path):
+    # The volume's size is set for raw files (~3.6 MB each): compressed ones would fit
+    # where this test needs them not to.
+    raw = {"kv_disk_compression": "off"}
     with small_file_system(str(tmp_path / "small"), 12) as root:
         kv, trace = os.path.join(root, "kv"), str(tmp_path / "trace.txt")
         prompts_ = [random_prompt(1000, seed=80 + i) for i in range(6)]  # ~3.6 MB files
@@ -139,7 +142,7 @@ def test_a_really_full_file_system_skips_saves_and_keeps_serving(tiny_model, tmp
             reference = [generate(llm, p)[0] for p in prompts_]
         # The budget says 1 GiB, the volume holds 12 MiB: the volume is the limit.
         with engine(
-            tiny_model, kv, trace=trace, kv_disk_space_mb=1024, kv_disk_min_free_mb=0
+            tiny_model, kv, trace=trace, kv_disk_space_mb=1024, kv_disk_min_free_mb=0, **raw
         ) as llm:
             got = [generate(llm, p)[0] for p in prompts_]
             llm.reset_prefix_cache()
@@ -157,7 +160,7 @@ def test_a_really_full_file_system_skips_saves_and_keeps_serving(tiny_model, tmp
         with open(filler, "wb") as fh, contextlib.suppress(OSError):
             fh.write(b"\0" * (12 << 20))
         with engine(
-            tiny_model, kv, trace=trace, kv_disk_space_mb=1024, kv_disk_min_free_mb=8
+            tiny_model, kv, trace=trace, kv_disk_space_mb=1024, kv_disk_min_free_mb=8, **raw
         ) as llm:
             assert generate(llm, random_prompt(1000, seed=90))[0]
         assert sorted(kv_files(kv)) == kept
