@@ -41,10 +41,11 @@ from vllm_kvdisk.core.control import RequestControl
 from vllm_kvdisk.core.format import FULL_ONLY, Group
 from vllm_kvdisk.core.index import Lookup, Miss
 from vllm_kvdisk.core.keys import Fingerprint, Namespaces, as_token_array, salt_digest
-from vllm_kvdisk.core.lifecycle import RequestState
+from vllm_kvdisk.core.lifecycle import Phase, RequestState
 from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.core.planner import Planner, trim_to_states, trim_to_windows
 from vllm_kvdisk.core.policy import LoadCostModel
+from vllm_kvdisk.core.report import REPORT_KEY, CacheReport
 from vllm_kvdisk.core.saverules import Grid, SaveRules
 from vllm_kvdisk.core.tokens import TokenTable
 from vllm_kvdisk.core.writebudget import Admission, WriteBudget
@@ -120,7 +121,14 @@ class SchedulerSide:
             )
         )
         self.diagnostics = Diagnostics()
-        self.report = LookupReport(self.store, table, self.stats, self.trace, self.diagnostics)
+        self.report = LookupReport(
+            self.store,
+            table,
+            self.stats,
+            self.trace,
+            self.diagnostics,
+            config.kv_diagnose_excerpt_bytes,
+        )
         self.cost = LoadCostModel()
         self.events = DiskEvents(events, block_size)
         self.saves = SavePlanning(
@@ -287,11 +295,19 @@ class SchedulerSide:
         if st is None or st.memo is None:
             return
         lookup, ids = st.memo, st.memo_ids
-        on_device = st.memo_key[0] if st.memo_key else 0
+        on_device, usable = st.memo_key if st.memo_key else (0, request.num_tokens - 1)
         st.admitted(loading=num_external_tokens > 0)
+        deepest = usable - usable % self.block_size  # as deep as a lookup may go
+        st.report = report = CacheReport(
+            request.num_prompt_tokens,
+            on_device,
+            max(0, num_external_tokens),
+            lookup.segments[-1].entry.sha1 if num_external_tokens > 0 else None,
+            None if lookup.tokens >= deepest else lookup.miss,
+        )
         if num_external_tokens <= 0:
             self.stats.add("tokens_looked_up", request.num_prompt_tokens)
-            self.report.no_load(st.ns, lookup, ids, on_device, st.declined)
+            self.report.no_load(st.ns, lookup, ids, on_device, st.declined, report)
             return
         hit = lookup.tokens
         if ids is None:  # the ids the lookup was made with (kept beside every hit)
@@ -338,7 +354,9 @@ class SchedulerSide:
             if self.fetches is not None
             else ""
         )
-        self.report.hit(st.ns, lookup, ids, local, num_external_tokens, len(job.files), source)
+        self.report.hit(
+            st.ns, lookup, ids, local, num_external_tokens, len(job.files), source, report
+        )
 
     # -- saves ------------------------------------------------------------------------
     def _block_ids(self, req_id: str) -> list[list[int]]:
@@ -459,7 +477,7 @@ class SchedulerSide:
         if st is None or not st.may_save:
             # A request aborted mid-load is released by its finished_recving, never here.
             self.states.finished(req_id, saving=False)
-            return False, None
+            return False, self._response_params(request, st)
         planned = False
         try:
             tables = min((len(ids) for ids in group_ids), default=0)
@@ -476,13 +494,30 @@ class SchedulerSide:
         except Exception:  # noqa: BLE001 - a pin kept costs capacity, never correctness
             self.stats.count("errors", "request_finished")
             log.exception("kvdisk: releasing the state pin of %s failed", req_id)
+        params = self._response_params(request, st)
         if not st.holds_blocks:
-            return False, None
+            return False, params
         # Some copy of its pages may still run (copies run after the step that planned
         # them): the blocks stay until the workers name the request in finished_sending.
         self._holds.append(request.request_id)
         self._held.add(request.request_id)
-        return True, None
+        return True, params
+
+    def _response_params(self, request: Any, st: RequestState | None) -> dict[str, Any] | None:
+        """What the response tells the client (``kv_transfer_params``): the request's
+        :class:`CacheReport`, with the divergence only if the diagnostics thread has
+        found it by now (never waited for). Never raises: a report is optional."""
+        try:
+            report = st.report if st is not None else None
+            if report is None:  # no lookup was made (vLLM computed all, or loads were off)
+                report = CacheReport(int(request.num_prompt_tokens))
+                report.device_tokens = max(0, int(getattr(request, "num_cached_tokens", 0)))
+            report.load_failed = st is not None and st.phase is Phase.FAILED
+            return {REPORT_KEY: report.to_dict()}
+        except Exception:  # noqa: BLE001
+            self.stats.count("errors", "request_finished")
+            log.exception("kvdisk: reporting on %s failed", request.request_id)
+            return None
 
     # -- worker feedback --------------------------------------------------------------
     @guarded("update_connector_output", lambda: None)

@@ -104,6 +104,14 @@ class KVDiskConfig:
         64, "the trace file is rotated to FILE.1 past this size", minimum=1, unit="MiB"
     )
     trace_to_log: bool = knob(False, "also write every trace line to vLLM's log at INFO")
+    kv_diagnose_excerpt_bytes: int = knob(
+        0,
+        "each response's kvdisk.divergence carries excerpts of this many bytes (at most "
+        "1024) of the prompt and of the checkpoint it left, around the divergence; only a "
+        "checkpoint of the request's own cache salt is compared. 0: no text, offsets only",
+        minimum=0,
+        unit="B",
+    )
     kv_disk_io_threads: int = knob(4, "reader/writer threads per worker", minimum=1)
     kv_disk_staging_mb: int = knob(
         2048,

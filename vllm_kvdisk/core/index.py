@@ -26,6 +26,7 @@ decisions; ``store.Store`` executes them.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -86,7 +87,8 @@ class Lookup:
 
     segments: list[Segment] = field(default_factory=list)
     miss: Miss | None = None  # why not deeper
-    # Files under the deepest node that the prompt leaves (diagnostics only).
+    # Files under the deepest node that the prompt leaves (diagnostics only); with no
+    # node at all (no checkpoint starts like the prompt), the namespace's newest roots.
     diverged: list[Entry] = field(default_factory=list)
     other_namespaces: tuple[str, ...] = ()
 
@@ -422,6 +424,11 @@ class Index:
             return pos
         return pos + common_blocks(ids[pos:stop], theirs, block_size)
 
+    def _recent_roots(self, ns: str, count: int) -> list[Entry]:
+        """The ``count`` most recently used root files of ``ns`` (a linear pass)."""
+        roots = (e for bucket in self._next.get((ns, "", 0), {}).values() for e in bucket)
+        return heapq.nlargest(count, (e for e in roots if not e.pending), key=lambda e: e.used_ns)
+
     def _explain(
         self,
         ns: str,
@@ -455,5 +462,7 @@ class Index:
                 others = tuple(sorted(o for o in self._roots.get(head, set()) - {ns} if peers(o)))
             result.miss = Miss.OTHER_NAMESPACE if others else Miss.NO_CHECKPOINT
             result.other_namespaces = others
+            if not others:  # the roots the prompt leaves in its first block: diagnostics only
+                result.diverged = self._recent_roots(ns, 8)
         else:
             result.miss = Miss.NO_CHECKPOINT

@@ -151,6 +151,19 @@ class ReplayPlugin:
         if engine_client is None:
             return
         config = kvdisk_config(engine_client.vllm_config)
+        self._init_replay(engine_client, state, config)
+        if config is not None:  # after the replay's wrappers: it records what they render
+            try:
+                from vllm_kvdisk.api.report import ResponseReports
+
+                ResponseReports(engine_client.renderer).install(
+                    getattr(state, "openai_serving_chat", None),
+                    getattr(state, "openai_serving_completion", None),
+                )
+            except Exception as exc:  # noqa: BLE001 - responses go out as vLLM writes them
+                log.warning("kvdisk: responses carry no report in streams (%s)", exc)
+
+    def _init_replay(self, engine_client: Any, state: Any, config: Any) -> None:
         if config is not None:  # with replay off too: no client plants a map for others
             strip_internal_keys(engine_client)
             self.tenancy.configure(

@@ -1,0 +1,169 @@
+"""Every response says what the disk cache did (`kv_transfer_params.kvdisk`), and where a
+changed conversation left its nearest checkpoint: the usual invalidators of a prompt
+cache on a real `vllm-kvdisk serve`, one server, each case under its own cache salt (so
+each compares with its own first conversation only)."""
+
+import json
+
+import pytest
+import requests
+from engine import Server, shared_prefix, wait_until
+from helpers import text
+
+pytestmark = pytest.mark.engine
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Current time in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+SYSTEM = "You are a careful assistant. " + text(0, 200)
+
+
+QUESTION = "zebra " + text(300, 120)
+
+
+def conversation(*, system=SYSTEM, question=QUESTION, args='{"city": "Rome", "unit": "c"}'):
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": args},
+    }
+    return [
+        {"role": "system", "content": system},
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": text(500, 80)},
+        {"role": "user", "content": "And tomorrow? " + text(700, 60)},
+    ]
+
+
+def body(server, messages, salt, tools, **extra):
+    return {
+        "model": server.model,
+        "messages": messages,
+        "tools": tools,
+        "max_tokens": 16,
+        "temperature": 0,
+        "cache_salt": salt,
+        **extra,
+    }
+
+
+def report(server, messages, salt, tools=(WEATHER,), **extra) -> tuple[dict, str]:
+    r = requests.post(
+        server.url + "/v1/chat/completions",
+        json=body(server, messages, salt, list(tools), **extra),
+        timeout=300,
+    )
+    r.raise_for_status()
+    return r.json()["kv_transfer_params"]["kvdisk"], r.text
+
+
+def streamed_report(server, messages, salt, tools=(WEATHER,)) -> tuple[dict, str, dict]:
+    chunks = []
+    with requests.post(
+        server.url + "/v1/chat/completions",
+        json=body(server, messages, salt, list(tools), stream=True),
+        stream=True,
+        timeout=300,
+    ) as r:
+        r.raise_for_status()
+        raw = r.content.decode()
+    for line in raw.splitlines():
+        if line.startswith("data: {"):
+            chunks.append(json.loads(line[6:]))
+    assert raw.rstrip().endswith("data: [DONE]")
+    final = chunks[-1]
+    assert final["choices"] == [] and final["id"] == chunks[0]["id"]
+    assert all("kv_transfer_params" not in c for c in chunks[:-1])
+    return final["kv_transfer_params"]["kvdisk"], raw, final
+
+
+def tokens(server, messages, tools) -> list[int]:
+    return server.post(
+        "/tokenize", {"model": server.model, "messages": messages, "tools": list(tools)}
+    )["tokens"]
+
+
+def stored(server, messages, salt, tools=(WEATHER,)) -> None:
+    """Send the first conversation, then wait until the disk holds all of it: the same
+    prompt, with the device cache emptied, is then served from disk as deep as a lookup
+    goes (its report names no reason)."""
+    first, _ = report(server, messages, salt, tools)
+    assert first["disk_tokens"] == 0 and first["prompt_tokens"] > 600
+
+    def on_disk() -> bool:
+        server.reset_device_cache()
+        again, _ = report(server, messages, salt, tools, max_tokens=1)
+        return again["reason"] is None and again["disk_tokens"] > 0
+
+    wait_until("the first conversation's checkpoints on disk", on_disk)
+
+
+def test_each_invalidator_is_named_with_its_message_offset_and_reason(tiny_model, tmp_path):
+    server = Server(
+        tiny_model,
+        str(tmp_path / "kv"),
+        str(tmp_path / "log"),
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    )
+    try:
+        base = conversation()
+        cases = {
+            # (a) the date at the top of the system prompt: the first block differs
+            "date": (conversation(system="Today is 2026-12-04. " + SYSTEM), (WEATHER,)),
+            # (b) one more tool
+            "tool": (base, (WEATHER, CLOCK)),
+            # (c) an earlier user message edited (streamed)
+            "edit": (conversation(question="yak " + text(300, 120)), (WEATHER,)),
+            # (d) the same call arguments, serialised with the keys in another order
+            "json": (conversation(args='{"unit": "c", "city": "Rome"}'), (WEATHER,)),
+        }
+        expected = {
+            "date": ({"index": 0, "role": "system"}, "no_checkpoint"),
+            "tool": ({"index": None, "role": "tools"}, "prefix_mismatch"),
+            "edit": ({"index": 1, "role": "user"}, "prefix_mismatch"),
+            "json": ({"index": 2, "role": "assistant"}, "prefix_mismatch"),
+        }
+        for name, (messages, tools) in cases.items():
+            stored(server, base, name)
+            at = shared_prefix(tokens(server, base, (WEATHER,)), tokens(server, messages, tools))
+            if name == "edit":
+                got, raw, _ = streamed_report(server, messages, name, tools)
+            else:
+                got, raw = report(server, messages, name, tools)
+            message, reason = expected[name]
+            div = got["divergence"]
+            assert div is not None, (name, got)
+            assert (div["message"], div["token"], got["reason"]) == (message, at, reason), (
+                name,
+                got,
+            )
+            assert div["reason"] == "prefix_mismatch" and len(div["checkpoint"]) == 40
+            assert div["byte"] > 0 and "excerpt" not in div
+            assert (
+                got["prompt_tokens"]
+                == got["device_tokens"] + got["disk_tokens"] + got["computed_tokens"]
+            )
+            # Excerpts are off: nothing of the first conversation's own text comes back.
+            if name == "edit":
+                assert "zebra" not in raw
+    finally:
+        assert server.stop()["rc"] == 0
