@@ -307,7 +307,9 @@ class SchedulerSide:
         )
         if num_external_tokens <= 0:
             self.stats.add("tokens_looked_up", request.num_prompt_tokens)
-            self.report.no_load(st.ns, lookup, ids, on_device, st.declined, report)
+            self.report.no_load(
+                st.ns, lookup, ids, on_device, st.declined, report, request.request_id
+            )
             return
         hit = lookup.tokens
         if ids is None:  # the ids the lookup was made with (kept beside every hit)
@@ -355,7 +357,15 @@ class SchedulerSide:
             else ""
         )
         self.report.hit(
-            st.ns, lookup, ids, local, num_external_tokens, len(job.files), source, report
+            st.ns,
+            lookup,
+            ids,
+            local,
+            num_external_tokens,
+            len(job.files),
+            source,
+            report,
+            request.request_id,
         )
 
     # -- saves ------------------------------------------------------------------------

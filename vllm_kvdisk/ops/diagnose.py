@@ -184,6 +184,7 @@ class LookupReport:
         files: int,
         source: str = "",
         report: CacheReport | None = None,
+        request: str = "",
     ) -> None:
         """``source``: ``object`` when files of the chain were fetched from the object
         store for this request (the hit's reason label, and the trace line says so)."""
@@ -200,7 +201,7 @@ class LookupReport:
             if lookup.miss is not None:
                 _, why = self._explain(ns, lookup, ids, report)
                 detail += f"; not deeper: {why}"
-            self.trace.hit(last, loaded, files, detail)
+            self.trace.hit(last, loaded, files, detail, request)
 
         self.diagnostics.submit(trace_hit)
 
@@ -212,11 +213,12 @@ class LookupReport:
         on_device: int,
         declined: Any,
         report: CacheReport | None = None,
+        request: str = "",
     ) -> None:
         """A lookup that loads nothing: the GPU held it all, or a miss (and why)."""
         if lookup.segments and lookup.tokens <= on_device:
             self.stats.count("lookups", "device_hit:")
-            self.trace.device_hit(lookup.segments[-1].entry.sha1, on_device, lookup.tokens)
+            self.trace.device_hit(lookup.segments[-1].entry.sha1, on_device, lookup.tokens, request)
             if report is not None and ids is not None and lookup.diverged:
 
                 def explain_only() -> None:  # the report's divergence; the trace said device hit
@@ -246,7 +248,7 @@ class LookupReport:
                     )
                 if lookup.segments:
                     detail += f"; deepest checkpoint {lookup.tokens} tokens"
-                self.trace.miss(None, detail)
+                self.trace.miss(None, detail, request)
             return
 
         def explain_miss() -> None:  # reads files: off the engine step
@@ -254,7 +256,7 @@ class LookupReport:
             self.stats.count("lookups", f"miss:{refined.label}")
             if lookup.segments:
                 detail += f"; deepest checkpoint {lookup.tokens} tokens"
-            self.trace.miss(lookup.diverged[0].sha1 if lookup.diverged else None, detail)
+            self.trace.miss(lookup.diverged[0].sha1 if lookup.diverged else None, detail, request)
 
         if not self.diagnostics.submit(explain_miss):
             self.stats.count("lookups", f"miss:{miss.label}")
