@@ -171,6 +171,8 @@ class LookupReport:
     ) -> tuple[Miss, str]:
         refined, words, found = explain(self.store, self.table, ns, lookup, ids, self.excerpt_bytes)
         if report is not None and found is not None:
+            if report.reason is Miss.PREFIX_MISMATCH:
+                report.reason = refined  # as the metric counts it (tokens_differ, say)
             report.divergence = found  # one attribute store: the step thread reads it whole
         return refined, words
 
