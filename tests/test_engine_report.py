@@ -167,3 +167,48 @@ def test_each_invalidator_is_named_with_its_message_offset_and_reason(tiny_model
                 assert "zebra" not in raw
     finally:
         assert server.stop()["rc"] == 0
+
+
+def test_excerpts_when_enabled_come_only_from_the_requests_own_salt(tiny_model, tmp_path):
+    server = Server(
+        tiny_model,
+        str(tmp_path / "kv"),
+        str(tmp_path / "log"),
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--kv-diagnose-excerpt-bytes",
+        "40",
+    )
+    try:
+        stored(server, conversation(), "tenant-a")
+        edited = conversation(question="yak " + text(300, 120))
+        # Another salt: tenant-a's checkpoint is never compared, its text never sent.
+        other, raw = report(server, edited, "tenant-b")
+        assert other["divergence"] is None and other["disk_tokens"] == 0
+        assert "zebra" not in raw
+        # The same salt: both sides around the divergence, bounded.
+        own, _ = report(server, edited, "tenant-a")
+        excerpt = own["divergence"]["excerpt"]
+        assert "zebra" in excerpt["checkpoint"] and "yak" in excerpt["prompt"]
+        assert len(excerpt["checkpoint"].encode()) <= 40 and len(excerpt["prompt"].encode()) <= 40
+        # A completions stream ends with the report too.
+        with requests.post(
+            server.url + "/v1/completions",
+            json={
+                "model": server.model,
+                "prompt": text(0, 300),
+                "max_tokens": 4,
+                "stream": True,
+                "cache_salt": "tenant-c",
+            },
+            stream=True,
+            timeout=300,
+        ) as r:
+            r.raise_for_status()
+            lines = [x for x in r.content.decode().splitlines() if x.startswith("data: {")]
+        final = json.loads(lines[-1][6:])
+        kv = final["kv_transfer_params"]["kvdisk"]
+        assert final["choices"] == [] and kv["prompt_tokens"] == kv["computed_tokens"] > 128
+    finally:
+        assert server.stop()["rc"] == 0
