@@ -88,8 +88,8 @@ def streamed_report(server, messages, salt, tools=(WEATHER,)) -> tuple[dict, str
         if line.startswith("data: {"):
             chunks.append(json.loads(line[6:]))
     assert raw.rstrip().endswith("data: [DONE]")
-    final = chunks[-1]
-    assert final["choices"] == [] and final["id"] == chunks[0]["id"]
+    final = chunks[-1]  # the last choice's chunk (no usage asked): no chunk is added
+    assert final["choices"][0]["finish_reason"] and final["id"] == chunks[0]["id"]
     assert all("kv_transfer_params" not in c for c in chunks[:-1])
     return final["kv_transfer_params"]["kvdisk"], raw, final
 
@@ -200,6 +200,7 @@ def test_excerpts_when_enabled_come_only_from_the_requests_own_salt(tiny_model, 
                 "prompt": text(0, 300),
                 "max_tokens": 4,
                 "stream": True,
+                "stream_options": {"include_usage": True},
                 "cache_salt": "tenant-c",
             },
             stream=True,
@@ -207,8 +208,9 @@ def test_excerpts_when_enabled_come_only_from_the_requests_own_salt(tiny_model, 
         ) as r:
             r.raise_for_status()
             lines = [x for x in r.content.decode().splitlines() if x.startswith("data: {")]
-        final = json.loads(lines[-1][6:])
+        final = json.loads(lines[-1][6:])  # usage asked for: the usage chunk is the last
         kv = final["kv_transfer_params"]["kvdisk"]
-        assert final["choices"] == [] and kv["prompt_tokens"] == kv["computed_tokens"] > 128
+        assert final["usage"] and kv["prompt_tokens"] == kv["computed_tokens"] > 128
+        assert "kv_transfer_params" in json.loads(lines[-2][6:])  # and the finishing one
     finally:
         assert server.stop()["rc"] == 0

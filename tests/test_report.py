@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 from synth import BLOCK, byte_table, make, planner, prompt_of, save
 
-from vllm_kvdisk.api.report import OutputTap, Rendered, ResponseReports, final_chunk, locate
+from vllm_kvdisk.api.report import OutputTap, Rendered, ResponseReports, locate
 from vllm_kvdisk.core.index import Miss
 from vllm_kvdisk.core.report import CacheReport, Divergence
 from vllm_kvdisk.ops.diagnose import explain
@@ -174,7 +174,7 @@ def test_a_failing_render_places_nothing():
     assert "message" not in params["kvdisk"]["divergence"]
 
 
-def test_a_stream_ends_with_one_chunk_that_carries_the_report():
+def test_a_stream_carries_the_report_in_its_finishing_and_usage_chunks_only():
     class Output:
         def __init__(self, params):
             self.kv_transfer_params = params
@@ -185,10 +185,16 @@ def test_a_stream_ends_with_one_chunk_that_carries_the_report():
         yield Output(None)
         yield Output({"kvdisk": {"divergence": {"byte": chat.prompt.index(b"Hi")}}})
 
+    def data(**chunk):
+        return f"data: {json.dumps({'id': 'c1', 'object': 'x', **chunk})}\n\n"
+
     async def sse(tap):
-        chunk = {"id": "c1", "object": "x", "created": 1, "model": "m", "choices": [{}]}
-        async for _ in tap:
-            yield f"data: {json.dumps(chunk)}\n\n"
+        async for out in tap:
+            done = out.kv_transfer_params is not None
+            yield data(choices=[{"delta": {"content": "a"}, "finish_reason": None}])
+            if done:
+                yield data(choices=[{"delta": {}, "finish_reason": "stop"}])
+        yield data(choices=[], usage={"prompt_tokens": 3})
         yield "data: [DONE]\n\n"
 
     async def run():
@@ -197,9 +203,10 @@ def test_a_stream_ends_with_one_chunk_that_carries_the_report():
         return [c async for c in reports.stream(sse(tap), tap, [chat])]
 
     chunks = asyncio.run(run())
-    assert len(chunks) == 4 and chunks[-1] == "data: [DONE]\n\n"
-    final = json.loads(chunks[-2][6:])
-    assert final["id"] == "c1" and final["choices"] == [] and final["model"] == "m"
-    divergence = final["kv_transfer_params"]["kvdisk"]["divergence"]
+    assert len(chunks) == 5 and chunks[-1] == "data: [DONE]\n\n"  # none added
+    parsed = [json.loads(c[6:]) for c in chunks[:-1]]
+    assert ["kv_transfer_params" in c for c in parsed] == [False, False, True, True]
+    finishing, usage = parsed[2], parsed[3]
+    assert finishing["choices"][0]["finish_reason"] == "stop" and usage["usage"]
+    divergence = usage["kv_transfer_params"]["kvdisk"]["divergence"]
     assert divergence["message"] == {"index": 1, "role": "user"}
-    assert final_chunk(None, {}) == 'data: {"choices": [], "kv_transfer_params": {}}\n\n'

@@ -6,9 +6,10 @@ from ``request_finished``; vLLM puts a connector's params in a full response as
 stream chunk with them. This module, installed by the API-server plugin on the app's
 own handler objects (instance attributes; no vLLM class is patched):
 
-* ends every chat and completions stream with one more chunk before ``data: [DONE]``:
-  ``{"id", "object", "created", "model", "choices": [], "kv_transfer_params": {...}}``
-  (as vLLM's usage chunk, a chunk without choices), when the engine returned params;
+* adds ``kv_transfer_params`` to the chunks of a chat or completions stream that finish a
+  choice or carry usage, once the engine returned its params: the final chunk carries
+  them (the usage chunk if the client asked for one, else the last choice's chunk); no
+  chunk is added or held back;
 * names the chat message a divergence falls in: ``divergence.message = {"index": i,
   "role": r}`` (``role`` ``tools`` and ``index`` null when it falls in the rendered tool
   definitions). The engine sees only token ids; the byte offset it found is in the
@@ -28,6 +29,7 @@ import contextvars
 import dataclasses
 import json
 import os
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +40,7 @@ from vllm_kvdisk.core.report import REPORT_KEY
 log = get_logger(__name__)
 
 PARAMS_KEY = "kv_transfer_params"
+_FINAL = re.compile(r'"finish_reason":\s*"|"usage":\s*\{')
 
 
 @dataclass(slots=True)
@@ -144,18 +147,23 @@ class OutputTap:
             await close()
 
 
-def final_chunk(last_body: str | None, params: dict[str, Any]) -> str:
-    """The SSE chunk that carries ``params``, with the stream's id, object, created and
-    model (from its last chunk) and no choices."""
-    head: dict[str, Any] = {}
-    if last_body:
-        try:
-            last = json.loads(last_body)
-        except ValueError:
-            last = {}
-        if isinstance(last, dict):
-            head = {k: last[k] for k in ("id", "object", "created", "model") if k in last}
-    return f"data: {json.dumps({**head, 'choices': [], PARAMS_KEY: params})}\n\n"
+def _ends_a_choice_or_counts(body: str) -> bool:
+    """A chunk that finishes a choice (a string ``finish_reason``) or carries usage: the
+    only chunks that get the report (cheap: no JSON parse of the others)."""
+    return _FINAL.search(body) is not None
+
+
+def with_params(body: str, params: dict[str, Any]) -> str | None:
+    """The chunk ``body`` with ``kv_transfer_params`` added, as an SSE line; None if it is
+    not a JSON object."""
+    try:
+        chunk = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(chunk, dict):
+        return None
+    chunk[PARAMS_KEY] = params
+    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
 
 class ResponseReports:
@@ -183,20 +191,26 @@ class ResponseReports:
     async def stream(
         self, chunks: Any, tap: OutputTap, renders: list[Rendered] | None
     ) -> AsyncIterator[Any]:
-        """Yields the SSE stream unchanged, and the report's chunk before ``[DONE]``."""
-        last: str | None = None
+        """Yields the SSE stream, the report added to each chunk that finishes a choice or
+        carries usage once the engine returned it: the final chunk always carries it (the
+        usage chunk when the client asked for usage, else the last choice's), and no chunk
+        is held back or added."""
+        annotated = False
         try:
             async for chunk in chunks:
-                if isinstance(chunk, str) and chunk.startswith("data: "):
-                    body = chunk[6:].strip()
-                    if body == "[DONE]" and tap.params is not None:
-                        try:
+                if (
+                    tap.params is not None
+                    and isinstance(chunk, str)
+                    and chunk.startswith("data: {")
+                    and _ends_a_choice_or_counts(chunk)
+                ):
+                    try:
+                        if not annotated:
+                            annotated = True
                             await self.annotate(tap.params, renders)
-                            yield final_chunk(last, tap.params)
-                        except Exception:  # noqa: BLE001
-                            log.exception("kvdisk: could not add the report to a stream")
-                    elif body != "[DONE]":
-                        last = body
+                        chunk = with_params(chunk[6:].strip(), tap.params) or chunk
+                    except Exception:  # noqa: BLE001
+                        log.exception("kvdisk: could not add the report to a stream")
                 yield chunk
         finally:
             close = getattr(chunks, "aclose", None)
