@@ -210,3 +210,17 @@ def test_a_stream_carries_the_report_in_its_finishing_and_usage_chunks_only():
     assert finishing["choices"][0]["finish_reason"] == "stop" and usage["usage"]
     divergence = usage["kv_transfer_params"]["kvdisk"]["divergence"]
     assert divergence["message"] == {"index": 1, "role": "user"}
+
+
+def test_placing_a_divergence_is_given_up_past_its_time_budget(monkeypatch):
+    import vllm_kvdisk.api.report as api_report
+
+    async def slow(messages, params):
+        await asyncio.sleep(5)
+        return await render(messages, params)
+
+    monkeypatch.setattr(api_report, "LOCATE_BUDGET_S", 0.05)
+    reports = ResponseReports(SimpleNamespace(render_messages_async=slow))
+    params = {"kvdisk": {"divergence": {"byte": 3, "token": 1}}}
+    asyncio.run(reports.annotate(params, [rendered()]))
+    assert params["kvdisk"]["divergence"] == {"byte": 3, "token": 1}  # as the engine wrote it

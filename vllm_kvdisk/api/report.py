@@ -17,7 +17,7 @@ own handler objects (instance attributes; no vLLM class is patched):
   prefixes of the same messages with the same renderer and parameters says exactly
   where each message ends: a binary search over the message count (about log2(n)
   renders, plus two for the tools), done only for a response that reports a
-  divergence, after the engine finished it.
+  divergence, after the engine finished it, and given up after ``LOCATE_BUDGET_S``.
 
 Nothing here can fail a response: any error leaves the object as the engine wrote it.
 No vLLM import (requests, outputs and the renderer are duck-typed).
@@ -25,6 +25,7 @@ No vLLM import (requests, outputs and the renderer are duck-typed).
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import dataclasses
 import json
@@ -40,6 +41,9 @@ from vllm_kvdisk.core.report import REPORT_KEY
 log = get_logger(__name__)
 
 PARAMS_KEY = "kv_transfer_params"
+# The most a response waits for its divergence to be placed in a message (renders of
+# very long conversations): past it, the object goes out without ``message``.
+LOCATE_BUDGET_S = 0.25
 _FINAL = re.compile(r'"finish_reason":\s*"|"usage":\s*\{')
 
 
@@ -184,9 +188,11 @@ class ResponseReports:
         if not isinstance(byte, int):
             return
         try:
-            divergence["message"] = await locate(byte, renders[-1], self.render)
+            divergence["message"] = await asyncio.wait_for(
+                locate(byte, renders[-1], self.render), LOCATE_BUDGET_S
+            )
         except Exception as exc:  # noqa: BLE001 - the rest of the report still stands
-            log.debug("kvdisk: cannot place a divergence in the messages: %s", exc)
+            log.debug("kvdisk: cannot place a divergence in the messages: %r", exc)
 
     async def stream(
         self, chunks: Any, tap: OutputTap, renders: list[Rendered] | None

@@ -27,6 +27,7 @@ decisions; ``store.Store`` executes them.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -42,6 +43,9 @@ from vllm_kvdisk.core.entry import Entry, Key
 # only under its own parent), so a chain of any length restores completely, at a cost
 # linear in its length.
 MAX_WALK_STEPS = 512
+
+# Roots a lookup that matched none looks at to name the nearest (diagnostics only).
+MAX_ROOTS_COMPARED = 512
 
 IdsReader = Callable[[Entry, int, int], "np.ndarray | None"]
 
@@ -425,9 +429,11 @@ class Index:
         return pos + common_blocks(ids[pos:stop], theirs, block_size)
 
     def _recent_roots(self, ns: str, count: int) -> list[Entry]:
-        """The ``count`` most recently used root files of ``ns`` (a linear pass)."""
+        """The ``count`` most recently used of (at most ``MAX_ROOTS_COMPARED``) root files
+        of ``ns``: bounded work in the engine's step, whatever the namespace holds."""
         roots = (e for bucket in self._next.get((ns, "", 0), {}).values() for e in bucket)
-        return heapq.nlargest(count, (e for e in roots if not e.pending), key=lambda e: e.used_ns)
+        some = itertools.islice((e for e in roots if not e.pending), MAX_ROOTS_COMPARED)
+        return heapq.nlargest(count, some, key=lambda e: e.used_ns)
 
     def _explain(
         self,
