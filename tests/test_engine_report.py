@@ -4,6 +4,7 @@ cache on a real `vllm-kvdisk serve`, one server, each case under its own cache s
 each compares with its own first conversation only)."""
 
 import json
+import os
 
 import pytest
 import requests
@@ -100,11 +101,11 @@ def tokens(server, messages, tools) -> list[int]:
     )["tokens"]
 
 
-def stored(server, messages, salt, tools=(WEATHER,)) -> None:
+def stored(server, messages, salt, tools=(WEATHER,), **extra) -> None:
     """Send the first conversation, then wait until the disk holds all of it: the same
     prompt, with the device cache emptied, is then served from disk as deep as a lookup
     goes (its report names no reason)."""
-    first, _ = report(server, messages, salt, tools)
+    first, _ = report(server, messages, salt, tools, **extra)
     assert first["disk_tokens"] == 0 and first["prompt_tokens"] > 600
 
     def on_disk() -> bool:
@@ -212,5 +213,56 @@ def test_excerpts_when_enabled_come_only_from_the_requests_own_salt(tiny_model, 
         kv = final["kv_transfer_params"]["kvdisk"]
         assert final["usage"] and kv["prompt_tokens"] == kv["computed_tokens"] > 128
         assert "kv_transfer_params" in json.loads(lines[-2][6:])  # and the finishing one
+    finally:
+        assert server.stop()["rc"] == 0
+
+
+def test_a_pinned_prefix_survives_an_eviction_pass_that_takes_every_unpinned_file(
+    tiny_model, tmp_path
+):
+    from helpers import kv_files
+
+    from vllm_kvdisk.ops.cli import main as kvdisk
+    from vllm_kvdisk.storage import pins
+
+    kv = str(tmp_path / "kv")
+    server = Server(
+        tiny_model,
+        kv,
+        str(tmp_path / "log"),
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    )
+    try:
+        pinned, plain = conversation(), conversation(question="yak " + text(300, 120))
+        stored(server, pinned, "pinned", kv_transfer_params={"kvdisk": {"pin_s": 3600}})
+        stored(server, plain, "plain")
+
+        def pinned_files() -> set[str]:
+            try:
+                raw = open(os.path.join(kv, pins.NAME), "rb").read()
+            except FileNotFoundError:
+                return set()
+            return {os.path.join(kv, ns, sha1 + ".kv") for ns, sha1 in pins.parse(raw)[0]}
+
+        def pinned_namespace() -> set[str]:
+            spaces = {os.path.dirname(f) for f in pinned_files()}
+            return {f for f in kv_files(kv) if os.path.dirname(f) in spaces}
+
+        wait_until(
+            "every file of the pinned request pinned",
+            lambda: pinned_files() and (pinned_files() == pinned_namespace()),
+        )
+        kept = pinned_namespace()
+        assert kept and set(kv_files(kv)) - kept  # the plain conversation's files too
+        assert kvdisk(["gc", kv, "--to-mb", "0"]) == 0
+        assert set(kv_files(kv)) == kept  # every unpinned file went, no pinned one
+        server.reset_device_cache()
+        again, _ = report(server, pinned, "pinned", max_tokens=1)
+        assert again["disk_tokens"] > 0 and again["reason"] is None
+        server.reset_device_cache()
+        gone, _ = report(server, plain, "plain", max_tokens=1)
+        assert gone["disk_tokens"] == 0
     finally:
         assert server.stop()["rc"] == 0

@@ -38,6 +38,7 @@ from vllm_kvdisk.connector.signals import on_stop_signal
 from vllm_kvdisk.connector.statehandoffs import StateHandoffs
 from vllm_kvdisk.core.config import KVDiskConfig
 from vllm_kvdisk.core.control import RequestControl
+from vllm_kvdisk.core.entry import Key
 from vllm_kvdisk.core.format import FULL_ONLY, Group
 from vllm_kvdisk.core.index import Lookup, Miss
 from vllm_kvdisk.core.keys import Fingerprint, Namespaces, as_token_array, salt_digest
@@ -151,6 +152,12 @@ class SchedulerSide:
         self._last_refresh = 0.0
         self._stale: set[str] = set()  # namespaces to re-list at the next lookup
         self._quarantined_seen = 0
+        # Pins (``kvdisk.pin_s``): seconds per request that asked, then per planned save
+        # until it lands; written to ROOT/.pins off the step (``_pin``).
+        self._pin_for: dict[str, int] = {}
+        self._pending_pins: dict[Key, int] = {}
+        self._pins_refused = False  # warned once
+        self.pin_share_bytes = self.store.space_bytes * config.kv_disk_pin_share_pct // 100
         self._shutdown_requested = False
         self._shutdown_saved = False
         on_stop_signal(self._stop_requested)
@@ -184,6 +191,11 @@ class SchedulerSide:
             control = RequestControl.from_request(request)
             st = RequestState(request, scope, self._ns(scope), control)
             self._reqs[request.request_id] = st
+            if control.pin_s and self.pin_share_bytes > 0:
+                self._pin_for[request.request_id] = control.pin_s
+            elif control.pin_s and not self._pins_refused:
+                self._pins_refused = True
+                log.warning("kvdisk: a request asked for a pin; pins are off (pin share 0)")
         return st
 
     def _refresh(self, ns: str) -> None:
@@ -305,6 +317,9 @@ class SchedulerSide:
             lookup.segments[-1].entry.sha1 if num_external_tokens > 0 else None,
             None if lookup.tokens >= deepest else lookup.miss,
         )
+        pin = self._pin_for.get(request.request_id)
+        if pin and lookup.segments:  # the files the prompt continues: pinned now
+            self._pin([(s.entry.key, pin) for s in lookup.segments])
         if num_external_tokens <= 0:
             self.stats.add("tokens_looked_up", request.num_prompt_tokens)
             self.report.no_load(
@@ -406,6 +421,12 @@ class SchedulerSide:
             self.stats.count("errors", "build_connector_meta")
             log.exception("kvdisk: planning saves failed")
         meta.saves = self.saves.take()
+        for job in meta.saves:
+            pin = self._pin_for.get(job.req_id)
+            if pin:
+                self._pending_pins[(job.plan.ns, job.plan.sha1)] = pin
+        for req_id in [r for r in self._pin_for if r not in self._reqs]:
+            del self._pin_for[req_id]  # finished: its last saves were just taken
         meta.holds, self._holds = self._holds, []
         meta.flush = [r for r in scheduler_output.preempted_req_ids or () if r in self._reqs]
         return meta
@@ -556,13 +577,20 @@ class SchedulerSide:
             return
         index = self.store.index
         now = time.monotonic()
+        landed_pins: list[tuple[Key, int]] = []
         for entry in report.written:
             self.write_budget.charge(entry.size, now)
             index.add(entry)
             self.events.landed(entry.key)
+            pin = self._pending_pins.pop(entry.key, None)
+            if pin:
+                landed_pins.append((entry.key, pin))
         for ns, sha1 in report.failed_saves:
             index.release(ns, sha1)
             self.events.dropped((ns, sha1))
+            self._pending_pins.pop((ns, sha1), None)
+        if landed_pins:
+            self._pin(landed_pins)
         for ns, sha1 in report.removed + report.stale:
             index.remove(ns, sha1)
             self.events.removed((ns, sha1))
@@ -573,6 +601,22 @@ class SchedulerSide:
             self.cost.observe_load(nbytes, seconds)
         for tokens, seconds in report.steps:
             self.cost.observe_step(tokens, seconds)
+
+    def _pin(self, pins: list[tuple[Key, int]]) -> None:
+        """Pin checkpoints for their seconds from now, in ROOT/.pins, off the step (a
+        write under the directory lock). A pin that cannot be written is logged: the
+        files stay, only unprotected."""
+        share = self.pin_share_bytes
+
+        def write() -> None:
+            now = time.time()
+            try:
+                self.store.pin([(key, now + seconds) for key, seconds in pins], share)
+            except Exception as exc:  # noqa: BLE001 - a pin is a wish, never a failure
+                log.warning("kvdisk: %d pin(s) not written: %s", len(pins), exc)
+
+        if not self.diagnostics.submit(write):
+            log.warning("kvdisk: %d pin(s) dropped: the background queue is full", len(pins))
 
     def take_events(self) -> list[Any]:
         return self.events.take()

@@ -193,6 +193,14 @@ class KVDiskConfig:
         minimum=0,
         unit="%",
     )
+    kv_disk_pin_share_pct: int = knob(
+        10,
+        "most of the disk budget that checkpoints pinned by requests (kvdisk.pin_s) may "
+        "keep from eviction; pins past it are not honoured, latest expiry first (0: "
+        "pins are refused)",
+        minimum=0,
+        unit="%",
+    )
     kv_disk_allow_shared_dir: bool = knob(
         False,
         "accept a cache directory writable by its group/everyone or owned by another "
@@ -318,6 +326,8 @@ def load_config(
         raise ConfigError(
             f"kv_disk_namespace_share_pct: at most 100, got {config.kv_disk_namespace_share_pct}"
         )
+    if config.kv_disk_pin_share_pct > 100:
+        raise ConfigError(f"kv_disk_pin_share_pct: at most 100, got {config.kv_disk_pin_share_pct}")
     if config.kv_cache_boundary_trim_tokens >= config.kv_cache_boundary_align_tokens:
         raise ConfigError(
             "kv_cache_boundary_trim_tokens must be smaller than kv_cache_boundary_align_tokens "
