@@ -217,7 +217,7 @@ def test_excerpts_when_enabled_come_only_from_the_requests_own_salt(tiny_model, 
         assert server.stop()["rc"] == 0
 
 
-def test_a_pinned_prefix_survives_an_eviction_pass_that_takes_every_unpinned_file(
+def test_a_pinned_prefix_survives_gc_and_a_prewarmed_one_is_the_first_requests_disk_hit(
     tiny_model, tmp_path
 ):
     from helpers import kv_files
@@ -264,5 +264,22 @@ def test_a_pinned_prefix_survives_an_eviction_pass_that_takes_every_unpinned_fil
         server.reset_device_cache()
         gone, _ = report(server, plain, "plain", max_tokens=1)
         assert gone["disk_tokens"] == 0
+
+        # A prewarm: the shared system prompt alone, answered once its files are on disk.
+        system = [{"role": "system", "content": "Fleet rules. " + text(900, 300)}]
+        warm = server.post(
+            "/v1/kvdisk/prewarm",
+            {"model": server.model, "messages": system, "cache_salt": "fleet"},
+        )
+        assert warm["on_disk"] and warm["checkpoints"] and warm["prompt_tokens"] > 256
+        assert all(any(f.endswith(s + ".kv") for f in kv_files(kv)) for s in warm["checkpoints"])
+        server.reset_device_cache()  # the first real request of another replica, as it were
+        first, _ = report(
+            server, system + [{"role": "user", "content": "Hello"}], "fleet", max_tokens=1
+        )
+        assert first["disk_tokens"] >= warm["prompt_tokens"] // 128 * 128 - 128 > 0
+        assert first["checkpoint"] in warm["checkpoints"]
+        bad = requests.post(server.url + "/v1/kvdisk/prewarm", json={"messages": "hi"}, timeout=60)
+        assert bad.status_code == 400 and "messages" in bad.json()["error"]
     finally:
         assert server.stop()["rc"] == 0

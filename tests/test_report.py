@@ -99,6 +99,7 @@ def test_the_report_object_has_its_documented_fields():
             "byte": 3100,
         },
         "load_failed": False,
+        "saves": [],
     }
     json.dumps(report.to_dict())  # plain JSON types only
 
@@ -224,3 +225,27 @@ def test_placing_a_divergence_is_given_up_past_its_time_budget(monkeypatch):
     params = {"kvdisk": {"divergence": {"byte": 3, "token": 1}}}
     asyncio.run(reports.annotate(params, [rendered()]))
     assert params["kvdisk"]["divergence"] == {"byte": 3, "token": 1}  # as the engine wrote it
+
+
+def test_a_prewarm_body_is_checked_and_runs_as_one_token(tmp_path):
+    import pytest
+
+    from vllm_kvdisk.api.prewarm import BadPrewarm, checked_body, on_disk
+
+    run, wait = checked_body({"messages": [{"role": "system", "content": "x"}], "wait_s": 5})
+    assert (run["max_tokens"], run["stream"], wait) == (1, False, 5.0) and "wait_s" not in run
+    for body, what in (
+        ([], "JSON object"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{}], "wait_s": 601}, "wait_s"),
+        ({"messages": [{}], "wait_s": True}, "wait_s"),
+        ({"messages": [{}], "stream": True}, "stream"),
+    ):
+        with pytest.raises(BadPrewarm, match=what):
+            checked_body(body)
+    sha = "ab" * 20
+    (tmp_path / "ns1").mkdir()
+    assert not on_disk(str(tmp_path), [sha])
+    (tmp_path / "ns1" / f"{sha}.kv").write_bytes(b"")
+    assert on_disk(str(tmp_path), [sha]) and on_disk(str(tmp_path), [])
+    assert not on_disk(str(tmp_path), ["../../etc/passwd"])  # only names of checkpoints

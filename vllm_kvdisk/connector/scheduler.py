@@ -425,6 +425,9 @@ class SchedulerSide:
             pin = self._pin_for.get(job.req_id)
             if pin:
                 self._pending_pins[(job.plan.ns, job.plan.sha1)] = pin
+            st = self._reqs.get(job.req_id)  # a finished one's are noted by _finished
+            if st is not None and st.report is not None:
+                st.report.saves.append(job.plan.sha1)
         for req_id in [r for r in self._pin_for if r not in self._reqs]:
             del self._pin_for[req_id]  # finished: its last saves were just taken
         meta.holds, self._holds = self._holds, []
@@ -516,6 +519,8 @@ class SchedulerSide:
                 request.num_computed_tokens, tables * self.block_size, len(request.all_token_ids)
             )
             planned = self._plan(st, self.rules.on_finished(computed), group_ids)
+            if st.report is not None:
+                st.report.saves += [j.plan.sha1 for j in self.saves.jobs if j.req_id == req_id]
         except Exception:  # noqa: BLE001 - served without its saves, and without their jobs
             self.saves.drop(st)
             self.stats.count("errors", "request_finished")

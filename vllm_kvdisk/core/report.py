@@ -20,7 +20,7 @@ Pure: standard library.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvdisk.core.index import Miss
@@ -74,10 +74,12 @@ def excerpt(text: bytes, at: int, size: int) -> str:
 @dataclass(slots=True)
 class CacheReport:
     """One request's prompt, by where its KV came from. ``device_tokens``: vLLM's own
-    prefix cache held them; ``disk_tokens``: loaded from checkpoint ``checkpoint`` (the
-    deepest file of the chain); the rest was computed. ``reason``: why the disk had
-    nothing deeper (the metric's label), None when the prompt went as deep as a lookup
-    can (every whole block but the one holding the last token)."""
+        prefix cache held them; ``disk_tokens``: loaded from checkpoint ``checkpoint`` (the
+        deepest file of the chain); the rest was computed. ``reason``: why the disk had
+        nothing deeper (the metric's label), None when the prompt went as deep as a lookup
+        can (every whole block but the one holding the last token). ``saves``: the checkpoints
+    planned from it (written after the response, asynchronously; one already on disk is not
+    written again)."""
 
     prompt_tokens: int
     device_tokens: int = 0
@@ -86,6 +88,7 @@ class CacheReport:
     reason: Miss | None = None
     divergence: Divergence | None = None  # set by the diagnostics thread, if ever
     load_failed: bool = False
+    saves: list[str] = field(default_factory=list)  # checkpoints planned for it (sha1)
 
     @property
     def computed_tokens(self) -> int:
@@ -103,4 +106,5 @@ class CacheReport:
             "reason": self.reason.label if self.reason is not None else None,
             "divergence": divergence.to_dict() if divergence is not None else None,
             "load_failed": self.load_failed,
+            "saves": list(self.saves),
         }
