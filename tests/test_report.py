@@ -249,3 +249,20 @@ def test_a_prewarm_body_is_checked_and_runs_as_one_token(tmp_path):
     (tmp_path / "ns1" / f"{sha}.kv").write_bytes(b"")
     assert on_disk(str(tmp_path), [sha]) and on_disk(str(tmp_path), [])
     assert not on_disk(str(tmp_path), ["../../etc/passwd"])  # only names of checkpoints
+
+
+def test_the_prewarm_route_answers_bad_bodies_and_an_unconfigured_server_clearly():
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from vllm_kvdisk.api.prewarm import ROUTE, install
+
+    root: list[str | None] = [None]
+    app = FastAPI()
+    install(app, lambda: root[0])
+    client = TestClient(app)
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    assert client.post(ROUTE, json=body).status_code == 503  # before the plugin's init
+    root[0], app.state.openai_serving_chat = "/nonexistent", object()
+    bad = client.post(ROUTE, json={"messages": "x"})
+    assert bad.status_code == 400 and "messages" in bad.json()["error"]

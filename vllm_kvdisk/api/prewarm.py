@@ -117,4 +117,7 @@ def install(app: Any, kv_dir: Any) -> None:
             }
         )
 
+    # This module's annotations are strings (``from __future__``) naming a local import:
+    # FastAPI must be handed the class to inject the request.
+    prewarm.__annotations__ = {"raw_request": Request, "return": Any}
     app.add_api_route(ROUTE, prewarm, methods=["POST"])
