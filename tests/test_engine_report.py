@@ -101,7 +101,7 @@ def tokens(server, messages, tools) -> list[int]:
     )["tokens"]
 
 
-def stored(server, messages, salt, tools=(WEATHER,), **extra) -> None:
+def stored(server, messages, salt, tools=(WEATHER,), **extra) -> dict:
     """Send the first conversation, then wait until the disk holds all of it: the same
     prompt, with the device cache emptied, is then served from disk as deep as a lookup
     goes (its report names no reason)."""
@@ -114,6 +114,7 @@ def stored(server, messages, salt, tools=(WEATHER,), **extra) -> None:
         return again["reason"] is None and again["disk_tokens"] > 0
 
     wait_until("the first conversation's checkpoints on disk", on_disk)
+    return first
 
 
 def test_each_invalidator_is_named_with_its_message_offset_and_reason(tiny_model, tmp_path):
@@ -236,8 +237,9 @@ def test_a_pinned_prefix_survives_gc_and_a_prewarmed_one_is_the_first_requests_d
     )
     try:
         pinned, plain = conversation(), conversation(question="yak " + text(300, 120))
-        stored(server, pinned, "pinned", kv_transfer_params={"kvdisk": {"pin_s": 3600}})
-        stored(server, plain, "plain")
+        first = stored(server, pinned, "pinned", kv_transfer_params={"kvdisk": {"pin_s": 3600}})
+        assert first["pin"] == {"seconds": 3600} and first["saves"]
+        assert stored(server, plain, "plain")["pin"] is None
 
         def pinned_files() -> set[str]:
             try:

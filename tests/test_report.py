@@ -100,6 +100,7 @@ def test_the_report_object_has_its_documented_fields():
         },
         "load_failed": False,
         "saves": [],
+        "pin": None,
     }
     json.dumps(report.to_dict())  # plain JSON types only
 
@@ -240,6 +241,8 @@ def test_a_prewarm_body_is_checked_and_runs_as_one_token(tmp_path):
         ({"messages": [{}], "wait_s": 601}, "wait_s"),
         ({"messages": [{}], "wait_s": True}, "wait_s"),
         ({"messages": [{}], "stream": True}, "stream"),
+        ({"messages": [{}], "kv_transfer_params": {"kvdisk": {"pin_s": 10**9}}}, "pin_s"),
+        ({"messages": [{}], "kv_transfer_params": {"kvdisk": {"pin_s": "1h"}}}, "pin_s"),
     ):
         with pytest.raises(BadPrewarm, match=what):
             checked_body(body)

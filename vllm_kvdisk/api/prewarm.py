@@ -26,6 +26,7 @@ import os
 import time
 from typing import Any
 
+from vllm_kvdisk.core.control import MAX_PIN_S
 from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.core.report import REPORT_KEY
 
@@ -53,6 +54,13 @@ def checked_body(body: Any) -> tuple[dict[str, Any], float]:
         raise BadPrewarm(f"wait_s: a number of seconds from 0 to {MAX_WAIT_S}")
     if body.get("stream") or body.get("n", 1) != 1:
         raise BadPrewarm("stream and n are not for a prewarm")
+    params = body.get("kv_transfer_params")
+    control = params.get(REPORT_KEY) if isinstance(params, dict) else None
+    pin = control.get("pin_s") if isinstance(control, dict) else None
+    if pin is not None and (
+        not isinstance(pin, int) or isinstance(pin, bool) or not 0 < pin <= MAX_PIN_S
+    ):
+        raise BadPrewarm(f"kv_transfer_params.kvdisk.pin_s: whole seconds from 1 to {MAX_PIN_S}")
     run = {k: v for k, v in body.items() if k != "wait_s"}
     run.update(max_tokens=1, stream=False)
     run.pop("max_completion_tokens", None)

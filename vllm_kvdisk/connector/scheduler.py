@@ -320,6 +320,10 @@ class SchedulerSide:
         pin = self._pin_for.get(request.request_id)
         if pin and lookup.segments:  # the files the prompt continues: pinned now
             self._pin([(s.entry.key, pin) for s in lookup.segments])
+        if pin:
+            report.pin = {"seconds": pin}
+        elif st.control.pin_s:
+            report.pin = {"refused": "pins are off on this server (kv_disk_pin_share_pct 0)"}
         if num_external_tokens <= 0:
             self.stats.add("tokens_looked_up", request.num_prompt_tokens)
             self.report.no_load(

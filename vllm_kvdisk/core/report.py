@@ -89,6 +89,7 @@ class CacheReport:
     divergence: Divergence | None = None  # set by the diagnostics thread, if ever
     load_failed: bool = False
     saves: list[str] = field(default_factory=list)  # checkpoints planned for it (sha1)
+    pin: dict[str, Any] | None = None  # {"seconds": N}, or {"refused": why}
 
     @property
     def computed_tokens(self) -> int:
@@ -107,4 +108,5 @@ class CacheReport:
             "divergence": divergence.to_dict() if divergence is not None else None,
             "load_failed": self.load_failed,
             "saves": list(self.saves),
+            "pin": self.pin,
         }
