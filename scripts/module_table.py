@@ -19,7 +19,7 @@ LAYERS = (
     ("core", "the pure core: decisions, the codec, keys, configuration (no I/O, no vLLM)"),
     ("storage", "the cache directory: files, scans, one budget, quarantine, verify (no vLLM)"),
     ("ops", "operations: the `kvdisk` tool, trace, diagnostics, metrics"),
-    ("api", "the API server's gate: each request's cache salt from its tenant"),
+    ("api", "the API server's side: each request's cache salt, each response's report"),
     ("replay", "tool replay: the exact text of tool-call turns (API server side)"),
     ("connector", "vLLM's connector: the two halves, page transfers, the facade"),
     ("testing", "real engines and tiny models for the tests and the benchmarks"),

@@ -197,3 +197,80 @@ def test_inspect_shows_the_kv_cache_groups_of_a_hybrid_file(tmp_path, capsys):
     }
     code, out, _ = run(capsys, "inspect", store.path(ns, plan.sha1))
     assert "state after 160 tokens: 1 layer(s) x block 9; full: 1 layer(s) x blocks 0..10" in out
+
+
+# -- kvdisk why ---------------------------------------------------------------------------
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Rome", "unit": "c"}'},
+}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+
+
+def chat(tmp_path, name, system="Be brief.", question="Weather in Rome?", args=None, tools=(TOOL,)):
+    call = dict(
+        CALL, function=dict(CALL["function"], arguments=args or CALL["function"]["arguments"])
+    )
+    body = {
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+        "tools": list(tools),
+    }
+    path = tmp_path / name
+    path.write_text(json.dumps(body))
+    return str(path)
+
+
+def test_why_names_the_usual_invalidators(tmp_path, capsys):
+    base = chat(tmp_path, "a.json")
+    cases = {
+        "date": (chat(tmp_path, "b.json", system="Today is 2026-12-04. Be brief."), 0, "system"),
+        "tool": (chat(tmp_path, "c.json", tools=(TOOL, dict(TOOL, x=1))), None, "tools"),
+        "edit": (chat(tmp_path, "d.json", question="Weather in Oslo?"), 1, "user"),
+        "json": (chat(tmp_path, "e.json", args='{"unit": "c", "city": "Rome"}'), 2, "assistant"),
+    }
+    for name, (other, index, role) in cases.items():
+        code, out, _ = run(capsys, "why", base, other, "--json")
+        got = json.loads(out)
+        assert code == 0 and got["message"] == {"index": index, "role": role}, (name, got)
+        assert got["reason"] == "prefix_mismatch"
+    assert json.loads(run(capsys, "why", base, cases["json"][0], "--json")[1])["what"] == (
+        "arguments_reserialised"
+    )
+    code, out, _ = run(capsys, "why", base, cases["edit"][0])
+    assert (
+        out.splitlines()[0] == "prefix mismatch in message 1 (user) at character 11 of its content"
+    )
+    assert "A: Weather in Rome?" in out and "B: Weather in Oslo?" in out
+    assert run(capsys, "why", base, base)[1] == "the same prompt: nothing differs\n"
+
+
+def test_why_of_two_texts_names_the_byte_line_and_column(tmp_path, capsys):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_bytes(b"line one\nline two\x1b[2J\n")
+    b.write_bytes(b"line one\nline 2\n")
+    code, out, _ = run(capsys, "why", str(a), str(b))
+    assert code == 0 and out.startswith("prefix mismatch at byte 14 (line 2, column 5)")
+    assert "\x1b" not in out  # a file's control characters are escaped
+
+
+def test_why_of_a_request_reads_its_lookups_from_the_trace(tmp_path, capsys):
+    from vllm_kvdisk.ops.trace import Trace
+
+    path = str(tmp_path / "trace.txt")
+    t = Trace(path)
+    t.miss(None, "no checkpoint", "chatcmpl-abc-0")
+    t.miss("0" * 40, "prefix mismatch at byte 9 (token 3) of checkpoint " + "0" * 40, "other")
+    code, out, _ = run(capsys, "why", "--trace", path, "chatcmpl-abc")
+    assert code == 0 and out.count("\n") == 1 and "no checkpoint; request=chatcmpl-abc-0" in out
+    code, _, err = run(capsys, "why", "--trace", path, "nobody")
+    assert code == 1 and "no lookup of request nobody" in err
+    code, _, err = run(capsys, "why", str(tmp_path / "missing.json"), path)
+    assert code == 2 and "missing.json" in err
+    code, _, err = run(capsys, "why", path)
+    assert code == 2 and "two prompt files" in err

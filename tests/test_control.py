@@ -130,3 +130,14 @@ def check_parsed(params) -> RequestControl:
     assert entries == [(p.id, p.text) for p in control.tool_pairs]
     encode_tool_map(entries)  # what the worker writes into the checkpoint: never fails
     return control
+
+
+def test_a_pin_is_read_within_its_bounds_and_bad_ones_ignored():
+    from vllm_kvdisk.core.control import MAX_PIN_S
+
+    def pin(value):
+        return RequestControl.from_request(req({"kvdisk": {"pin_s": value}})).pin_s
+
+    assert pin(3600) == 3600 and pin(MAX_PIN_S) == MAX_PIN_S
+    assert pin(MAX_PIN_S + 1) == pin(0) == pin(-5) == pin(True) == pin("60") == pin(1.5) == 0
+    assert RequestControl.from_request(req(None)).pin_s == 0

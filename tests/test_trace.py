@@ -74,3 +74,22 @@ def test_the_file_rotates_at_its_cap_and_follows_logrotate(tmp_path, monkeypatch
     t.evicted(SHA, 2, 2)
     assert read(path)[-1].tokens == 2  # written to a new file at the same path
     t.close()
+
+
+def test_lookup_lines_name_their_request_and_parse_back_without_it(tmp_path):
+    path = str(tmp_path / "t.log")
+    t = Trace(path)
+    t.miss(SHA, "prefix mismatch at byte 10 (token 3) of checkpoint " + SHA, "chatcmpl-1-a")
+    t.hit(SHA, 640, 2, "0 already in the GPU cache", request="cmpl-2")
+    t.device_hit(SHA, 3456, 1920, request="cmpl-3 \n(evil)")  # a client's header, say
+    t.miss(None, "below min tokens")
+    got = read(path)
+    assert [(e.kind, e.request) for e in got] == [
+        ("miss", "chatcmpl-1-a"),
+        ("hit", "cmpl-2"),
+        ("device_hit", "cmpl-3___evil_"),
+        ("miss", ""),
+    ]
+    assert got[0].detail == "prefix mismatch at byte 10 (token 3) of checkpoint " + SHA
+    assert got[1].detail == "0 already in the GPU cache" and got[1].tokens == 640
+    assert len(open(path).read().splitlines()) == 4

@@ -38,6 +38,7 @@ SALTED_ROUTES = (
     "/rerank",
     "/v1/rerank",
     "/v2/rerank",
+    "/v1/kvdisk/prewarm",  # kvdisk's own (api/prewarm.py): a chat body
 )
 STATE_ONLY_ROUTES = ("/tokenize",)
 STATE_KEY = "kvdisk_cache_salt"

@@ -39,13 +39,15 @@ from vllm_kvdisk.connector.signals import on_stop_signal
 from vllm_kvdisk.connector.statehandoffs import StateHandoffs
 from vllm_kvdisk.core.config import KVDiskConfig
 from vllm_kvdisk.core.control import RequestControl
+from vllm_kvdisk.core.entry import Key
 from vllm_kvdisk.core.format import FULL_ONLY, Group
 from vllm_kvdisk.core.index import Lookup, Miss
 from vllm_kvdisk.core.keys import Fingerprint, Namespaces, as_token_array, salt_digest
-from vllm_kvdisk.core.lifecycle import RequestState
+from vllm_kvdisk.core.lifecycle import Phase, RequestState
 from vllm_kvdisk.core.logs import get_logger
 from vllm_kvdisk.core.planner import Planner, trim_to_states, trim_to_windows
 from vllm_kvdisk.core.policy import LoadCostModel
+from vllm_kvdisk.core.report import REPORT_KEY, CacheReport
 from vllm_kvdisk.core.saverules import Grid, SaveRules
 from vllm_kvdisk.core.tokens import TokenTable
 from vllm_kvdisk.core.writebudget import Admission, WriteBudget
@@ -123,7 +125,14 @@ class SchedulerSide:
             )
         )
         self.diagnostics = Diagnostics()
-        self.report = LookupReport(self.store, table, self.stats, self.trace, self.diagnostics)
+        self.report = LookupReport(
+            self.store,
+            table,
+            self.stats,
+            self.trace,
+            self.diagnostics,
+            config.kv_diagnose_excerpt_bytes,
+        )
         self.cost = LoadCostModel()
         self.events = DiskEvents(events, block_size)
         self.saves = SavePlanning(
@@ -146,6 +155,12 @@ class SchedulerSide:
         self._last_refresh = 0.0
         self._stale: set[str] = set()  # namespaces to re-list at the next lookup
         self._quarantined_seen = 0
+        # Pins (``kvdisk.pin_s``): seconds per request that asked, then per planned save
+        # until it lands; written to ROOT/.pins off the step (``_pin``).
+        self._pin_for: dict[str, int] = {}
+        self._pending_pins: dict[Key, int] = {}
+        self._pins_refused = False  # warned once
+        self.pin_share_bytes = self.store.space_bytes * config.kv_disk_pin_share_pct // 100
         self._shutdown_requested = False
         self._shutdown_saved = False
         on_stop_signal(self._stop_requested)
@@ -189,6 +204,11 @@ class SchedulerSide:
             control = RequestControl.from_request(request)
             st = RequestState(request, scope, self._ns(scope), control)
             self._reqs[request.request_id] = st
+            if control.pin_s and self.pin_share_bytes > 0:
+                self._pin_for[request.request_id] = control.pin_s
+            elif control.pin_s and not self._pins_refused:
+                self._pins_refused = True
+                log.warning("kvdisk: a request asked for a pin; pins are off (pin share 0)")
         return st
 
     def _refresh(self, ns: str) -> None:
@@ -298,11 +318,28 @@ class SchedulerSide:
         if st is None or st.memo is None:
             return
         lookup, ids = st.memo, st.memo_ids
-        on_device = st.memo_key[0] if st.memo_key else 0
+        on_device, usable = st.memo_key if st.memo_key else (0, request.num_tokens - 1)
         st.admitted(loading=num_external_tokens > 0)
+        deepest = usable - usable % self.block_size  # as deep as a lookup may go
+        st.report = report = CacheReport(
+            request.num_prompt_tokens,
+            on_device,
+            max(0, num_external_tokens),
+            lookup.segments[-1].entry.sha1 if num_external_tokens > 0 else None,
+            None if lookup.tokens >= deepest else lookup.miss,
+        )
+        pin = self._pin_for.get(request.request_id)
+        if pin and lookup.segments:  # the files the prompt continues: pinned now
+            self._pin([(s.entry.key, pin) for s in lookup.segments])
+        if pin:
+            report.pin = {"seconds": pin}
+        elif st.control.pin_s:
+            report.pin = {"refused": "pins are off on this server (kv_disk_pin_share_pct 0)"}
         if num_external_tokens <= 0:
             self.stats.add("tokens_looked_up", request.num_prompt_tokens)
-            self.report.no_load(st.ns, lookup, ids, on_device, st.declined)
+            self.report.no_load(
+                st.ns, lookup, ids, on_device, st.declined, report, request.request_id
+            )
             return
         hit = lookup.tokens
         if ids is None:  # the ids the lookup was made with (kept beside every hit)
@@ -349,7 +386,17 @@ class SchedulerSide:
             if self.fetches is not None
             else ""
         )
-        self.report.hit(st.ns, lookup, ids, local, num_external_tokens, len(job.files), source)
+        self.report.hit(
+            st.ns,
+            lookup,
+            ids,
+            local,
+            num_external_tokens,
+            len(job.files),
+            source,
+            report,
+            request.request_id,
+        )
 
     # -- saves ------------------------------------------------------------------------
     def _block_ids(self, req_id: str) -> list[list[int]]:
@@ -389,6 +436,15 @@ class SchedulerSide:
             self.stats.count("errors", "build_connector_meta")
             log.exception("kvdisk: planning saves failed")
         meta.saves = self.saves.take()
+        for job in meta.saves:
+            pin = self._pin_for.get(job.req_id)
+            if pin:
+                self._pending_pins[(job.plan.ns, job.plan.sha1)] = pin
+            st = self._reqs.get(job.req_id)  # a finished one's are noted by _finished
+            if st is not None and st.report is not None:
+                st.report.saves.append(job.plan.sha1)
+        for req_id in [r for r in self._pin_for if r not in self._reqs]:
+            del self._pin_for[req_id]  # finished: its last saves were just taken
         meta.holds, self._holds = self._holds, []
         meta.flush = [r for r in scheduler_output.preempted_req_ids or () if r in self._reqs]
         return meta
@@ -470,7 +526,7 @@ class SchedulerSide:
         if st is None or not st.may_save:
             # A request aborted mid-load is released by its finished_recving, never here.
             self.states.finished(req_id, saving=False)
-            return False, None
+            return False, self._response_params(request, st)
         planned = False
         try:
             tables = min((len(ids) for ids in group_ids), default=0)
@@ -478,6 +534,8 @@ class SchedulerSide:
                 request.num_computed_tokens, tables * self.block_size, len(request.all_token_ids)
             )
             planned = self._plan(st, self.rules.on_finished(computed), group_ids)
+            if st.report is not None:
+                st.report.saves += [j.plan.sha1 for j in self.saves.jobs if j.req_id == req_id]
         except Exception:  # noqa: BLE001 - served without its saves, and without their jobs
             self.saves.drop(st)
             self.stats.count("errors", "request_finished")
@@ -487,13 +545,30 @@ class SchedulerSide:
         except Exception:  # noqa: BLE001 - a pin kept costs capacity, never correctness
             self.stats.count("errors", "request_finished")
             log.exception("kvdisk: releasing the state pin of %s failed", req_id)
+        params = self._response_params(request, st)
         if not st.holds_blocks:
-            return False, None
+            return False, params
         # Some copy of its pages may still run (copies run after the step that planned
         # them): the blocks stay until the workers name the request in finished_sending.
         self._holds.append(request.request_id)
         self._held.add(request.request_id)
-        return True, None
+        return True, params
+
+    def _response_params(self, request: Any, st: RequestState | None) -> dict[str, Any] | None:
+        """What the response tells the client (``kv_transfer_params``): the request's
+        :class:`CacheReport`, with the divergence only if the diagnostics thread has
+        found it by now (never waited for). Never raises: a report is optional."""
+        try:
+            report = st.report if st is not None else None
+            if report is None:  # no lookup was made (vLLM computed all, or loads were off)
+                report = CacheReport(int(request.num_prompt_tokens))
+                report.device_tokens = max(0, int(getattr(request, "num_cached_tokens", 0)))
+            report.load_failed = st is not None and st.phase is Phase.FAILED
+            return {REPORT_KEY: report.to_dict()}
+        except Exception:  # noqa: BLE001
+            self.stats.count("errors", "request_finished")
+            log.exception("kvdisk: reporting on %s failed", request.request_id)
+            return None
 
     # -- worker feedback --------------------------------------------------------------
     @guarded("update_connector_output", lambda: None)
@@ -522,13 +597,20 @@ class SchedulerSide:
             return
         index = self.store.index
         now = time.monotonic()
+        landed_pins: list[tuple[Key, int]] = []
         for entry in report.written:
             self.write_budget.charge(entry.size, now)
             index.add(entry)
             self.events.landed(entry.key)
+            pin = self._pending_pins.pop(entry.key, None)
+            if pin:
+                landed_pins.append((entry.key, pin))
         for ns, sha1 in report.failed_saves:
             index.release(ns, sha1)
             self.events.dropped((ns, sha1))
+            self._pending_pins.pop((ns, sha1), None)
+        if landed_pins:
+            self._pin(landed_pins)
         for ns, sha1 in report.removed + report.stale:
             index.remove(ns, sha1)
             self.events.removed((ns, sha1))
@@ -539,6 +621,22 @@ class SchedulerSide:
             self.cost.observe_load(nbytes, seconds)
         for tokens, seconds in report.steps:
             self.cost.observe_step(tokens, seconds)
+
+    def _pin(self, pins: list[tuple[Key, int]]) -> None:
+        """Pin checkpoints for their seconds from now, in ROOT/.pins, off the step (a
+        write under the directory lock). A pin that cannot be written is logged: the
+        files stay, only unprotected."""
+        share = self.pin_share_bytes
+
+        def write() -> None:
+            now = time.time()
+            try:
+                self.store.pin([(key, now + seconds) for key, seconds in pins], share)
+            except Exception as exc:  # noqa: BLE001 - a pin is a wish, never a failure
+                log.warning("kvdisk: %d pin(s) not written: %s", len(pins), exc)
+
+        if not self.diagnostics.submit(write):
+            log.warning("kvdisk: %d pin(s) dropped: the background queue is full", len(pins))
 
     def take_events(self) -> list[Any]:
         return self.events.take()

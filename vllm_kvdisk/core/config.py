@@ -105,6 +105,14 @@ class KVDiskConfig:
         64, "the trace file is rotated to FILE.1 past this size", minimum=1, unit="MiB"
     )
     trace_to_log: bool = knob(False, "also write every trace line to vLLM's log at INFO")
+    kv_diagnose_excerpt_bytes: int = knob(
+        0,
+        "each response's kvdisk.divergence carries excerpts of this many bytes (at most "
+        "1024) of the prompt and of the checkpoint it left, around the divergence; only a "
+        "checkpoint of the request's own cache salt is compared. 0: no text, offsets only",
+        minimum=0,
+        unit="B",
+    )
     kv_disk_io_threads: int = knob(4, "reader/writer threads per worker", minimum=1)
     kv_disk_staging_mb: int = knob(
         2048,
@@ -192,6 +200,14 @@ class KVDiskConfig:
         "each namespace's share of the disk budget (0: none): when room is needed, the "
         "checkpoints of namespaces holding more than their share go first, so one tenant "
         "(cache salt) cannot flush the others",
+        minimum=0,
+        unit="%",
+    )
+    kv_disk_pin_share_pct: int = knob(
+        10,
+        "most of the disk budget that checkpoints pinned by requests (kvdisk.pin_s) may "
+        "keep from eviction; pins past it are not honoured, latest expiry first (0: "
+        "pins are refused)",
         minimum=0,
         unit="%",
     )
@@ -320,6 +336,8 @@ def load_config(
         raise ConfigError(
             f"kv_disk_namespace_share_pct: at most 100, got {config.kv_disk_namespace_share_pct}"
         )
+    if config.kv_disk_pin_share_pct > 100:
+        raise ConfigError(f"kv_disk_pin_share_pct: at most 100, got {config.kv_disk_pin_share_pct}")
     if config.kv_cache_boundary_trim_tokens >= config.kv_cache_boundary_align_tokens:
         raise ConfigError(
             "kv_cache_boundary_trim_tokens must be smaller than kv_cache_boundary_align_tokens "

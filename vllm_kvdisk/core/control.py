@@ -8,6 +8,8 @@ value is ignored (and logged once), never an error inside the engine step::
 * ``load`` (default true): false skips restoring from disk for this request.
 * ``save`` (default true): false writes no checkpoint of this request.
 * ``max_save_tokens``: no checkpoint of this request beyond this many tokens.
+* ``pin_s``: keep this request's checkpoints from eviction for this many seconds (1 to
+  :data:`MAX_PIN_S`), within the pin share of the budget (``kv_disk_pin_share_pct``).
 
 ``kvdisk_tool_map`` (set by the tool-call replay plugin, ``[[id, exact text], ...]``) is
 read here too: at most :data:`MAX_TOOL_PAIRS` pairs of at most :data:`MAX_TOOL_BYTES` in
@@ -38,6 +40,7 @@ INTERNAL_PREFIX = "kvdisk_"  # keys the server writes for itself; never a client
 MAX_TOOL_PAIRS = 64
 MAX_TOOL_BYTES = 256 << 10
 MAX_SAVE_TOKENS = 1 << 40  # more than any context: a larger cap is no cap
+MAX_PIN_S = 7 * 86400
 _warned: set[str] = set()
 
 
@@ -92,6 +95,7 @@ class RequestControl:
     load: bool = True
     save: bool = True
     max_save_tokens: int | None = None
+    pin_s: int = 0  # keep the request's checkpoints this long (0: no pin)
     tool_pairs: tuple[ToolPair, ...] = ()
 
     @classmethod
@@ -131,6 +135,13 @@ def _control_values(raw: Any) -> dict[str, Any]:
             and value >= 0
         ):
             values[key] = value if value <= MAX_SAVE_TOKENS else None
+        elif (
+            key == "pin_s"
+            and isinstance(value, int)
+            and not isinstance(value, bool)
+            and 0 < value <= MAX_PIN_S
+        ):
+            values[key] = value
         else:
             _warn_once(f"{CONTROL_KEY}.{_brief(key)}={_brief(value)}")
     return values

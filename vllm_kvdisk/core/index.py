@@ -26,6 +26,8 @@ decisions; ``store.Store`` executes them.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -41,6 +43,9 @@ from vllm_kvdisk.core.entry import Entry, Key
 # only under its own parent), so a chain of any length restores completely, at a cost
 # linear in its length.
 MAX_WALK_STEPS = 512
+
+# Roots a lookup that matched none looks at to name the nearest (diagnostics only).
+MAX_ROOTS_COMPARED = 512
 
 IdsReader = Callable[[Entry, int, int], "np.ndarray | None"]
 
@@ -86,7 +91,8 @@ class Lookup:
 
     segments: list[Segment] = field(default_factory=list)
     miss: Miss | None = None  # why not deeper
-    # Files under the deepest node that the prompt leaves (diagnostics only).
+    # Files under the deepest node that the prompt leaves (diagnostics only); with no
+    # node at all (no checkpoint starts like the prompt), the namespace's newest roots.
     diverged: list[Entry] = field(default_factory=list)
     other_namespaces: tuple[str, ...] = ()
 
@@ -422,6 +428,13 @@ class Index:
             return pos
         return pos + common_blocks(ids[pos:stop], theirs, block_size)
 
+    def _recent_roots(self, ns: str, count: int) -> list[Entry]:
+        """The ``count`` most recently used of (at most ``MAX_ROOTS_COMPARED``) root files
+        of ``ns``: bounded work in the engine's step, whatever the namespace holds."""
+        roots = (e for bucket in self._next.get((ns, "", 0), {}).values() for e in bucket)
+        some = itertools.islice((e for e in roots if not e.pending), MAX_ROOTS_COMPARED)
+        return heapq.nlargest(count, some, key=lambda e: e.used_ns)
+
     def _explain(
         self,
         ns: str,
@@ -455,5 +468,7 @@ class Index:
                 others = tuple(sorted(o for o in self._roots.get(head, set()) - {ns} if peers(o)))
             result.miss = Miss.OTHER_NAMESPACE if others else Miss.NO_CHECKPOINT
             result.other_namespaces = others
+            if not others:  # the roots the prompt leaves in its first block: diagnostics only
+                result.diverged = self._recent_roots(ns, 8)
         else:
             result.miss = Miss.NO_CHECKPOINT

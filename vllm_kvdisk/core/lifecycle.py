@@ -41,6 +41,7 @@ from vllm_kvdisk.core.format import Reason
 from vllm_kvdisk.core.index import Lookup
 from vllm_kvdisk.core.keys import Scope
 from vllm_kvdisk.core.policy import Decision
+from vllm_kvdisk.core.report import CacheReport
 
 
 class Phase(Enum):
@@ -68,6 +69,7 @@ class RequestState:
     # Save positions already computed whose token ids were not known yet (async
     # scheduling): planned at a later step, (length, reason) each.
     deferred: list[tuple[int, Reason]] = field(default_factory=list)
+    report: CacheReport | None = None  # what the response says the cache did
 
     # -- questions ----------------------------------------------------------------------
     @property

@@ -6,6 +6,8 @@
     kvdisk gc DIR --to-mb N [--dry-run]  evict leaves down to N MiB
     kvdisk rm DIR (--namespace NS | --model NAME) [--dry-run]
     kvdisk stats DIR                     totals, per namespace
+    kvdisk why A B                       where prompt B (a file) leaves prompt A
+    kvdisk why --trace FILE REQUEST_ID   the lookups of one request, and why
 
 Human sizes and ages by default, ``--json`` for scripts (raw bytes and seconds). Exit 0
 when all is well, 1 when ``verify`` found problems, 2 on bad input or an I/O error (a
@@ -490,6 +492,44 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_why(args: argparse.Namespace) -> int:
+    from vllm_kvdisk.ops import why
+
+    if args.trace:
+        if args.b is not None:
+            raise UsageError("with --trace, give one request id")
+        events = why.traced(args.trace, args.a)
+        if args.json:
+            say_json(
+                [
+                    {"kind": e.kind, "sha1": e.sha1, "request": e.request, "detail": e.detail}
+                    for e in events
+                ]
+            )
+        for e in events if not args.json else ():
+            say(e.line)
+        if not events:
+            say(
+                f"kvdisk: no lookup of request {printable(args.a)} in {args.trace}", file=sys.stderr
+            )
+            return 1
+        return 0
+    if args.b is None:
+        raise UsageError("give two prompt files, or --trace FILE and a request id")
+    found = why.compare(why.load_prompt(args.a), why.load_prompt(args.b), args.width)
+    if args.json:
+        say_json(found.to_dict() if found is not None else None)
+        return 0
+    if found is None:
+        say("the same prompt: nothing differs")
+        return 0
+    say(found.words)
+    if found.excerpts != ("", ""):
+        say(f"  A: {printable(found.excerpts[0])}")
+        say(f"  B: {printable(found.excerpts[1])}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -530,6 +570,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
+    p = sub.add_parser("why", help="where one prompt leaves another, or one request's lookups")
+    p.add_argument(
+        "a", help="prompt file A (chat JSON, completions JSON or text); with --trace, a request id"
+    )
+    p.add_argument("b", nargs="?", help="prompt file B")
+    p.add_argument("--trace", help="the trace file (--trace of the server)")
+    p.add_argument("--width", type=int, default=80, help="characters of each excerpt")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_why)
     return parser
 
 
@@ -540,6 +589,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError("--to-mb must be >= 0")
         if getattr(args, "jobs", 1) < 1:
             raise UsageError("--jobs must be >= 1")
+        if getattr(args, "width", 0) < 0:
+            raise UsageError("--width must be >= 0")
         return args.func(args)
     except UsageError as exc:
         say(f"kvdisk: {exc}", file=sys.stderr)

@@ -20,8 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from vllm_kvdisk.core.entry import Entry
 from vllm_kvdisk.core.index import Lookup, Miss
 from vllm_kvdisk.core.logs import get_logger
+from vllm_kvdisk.core.report import CacheReport, Divergence, excerpt
 from vllm_kvdisk.core.tokens import TokenTable
 from vllm_kvdisk.ops.trace import Trace
 from vllm_kvdisk.storage.fileread import read_text, read_tokens
@@ -32,18 +34,21 @@ log = get_logger(__name__)
 QUEUE_SIZE = 256
 
 
-def explain(
-    store: Store, table: TokenTable, ns: str, lookup: Lookup, ids: np.ndarray
-) -> tuple[Miss, str]:
-    """The refined reason and its words for ``lookup`` of the prompt ``ids``."""
-    miss = lookup.miss or Miss.NO_CHECKPOINT
-    if miss is Miss.OTHER_NAMESPACE:
-        return miss, f"{miss.value} ({', '.join(lookup.other_namespaces)})"
-    if miss is not Miss.PREFIX_MISMATCH or not lookup.diverged:
-        return miss, miss.value
+def diverge(
+    store: Store,
+    table: TokenTable,
+    ns: str,
+    entries: list[Entry],
+    ids: np.ndarray,
+    excerpt_bytes: int = 0,
+) -> Divergence | None:
+    """Where the prompt ``ids`` leaves the nearest of ``entries`` (files of namespace
+    ``ns``, the request's own: no other scope's text is ever read here): the checkpoint
+    whose stored text shares the longest prefix with the prompt's rendered text. With
+    ``excerpt_bytes``, excerpts of both sides around the divergence."""
     text: bytes | None = None
-    best: tuple[int, Miss, str] | None = None
-    for entry in lookup.diverged[:8]:
+    best: tuple[int, Divergence] | None = None
+    for entry in entries[:8]:
         try:
             with store.open(ns, entry.sha1) as (fd, meta, _):
                 theirs_text = read_text(fd, meta)
@@ -57,24 +62,42 @@ def explain(
         n = min(len(ids), len(theirs_ids))
         differ = np.flatnonzero(ids[:n] != theirs_ids[:n])
         at_token = int(differ[0]) if differ.size else n
-        if common >= min(len(theirs_text), len(text)):
-            found = (
-                common,
-                Miss.TOKENS_DIFFER,
-                f"{Miss.TOKENS_DIFFER.value} at token {at_token} of checkpoint {entry.sha1}",
-            )
-        else:
-            found = (
-                common,
-                Miss.PREFIX_MISMATCH,
-                f"{Miss.PREFIX_MISMATCH.value} at byte {common} (token {at_token}) of "
-                f"checkpoint {entry.sha1}",
-            )
-        if best is None or found[0] > best[0]:
-            best = found
-    if best is None:
-        return miss, miss.value
-    return best[1], best[2]
+        same_text = common >= min(len(theirs_text), len(text))
+        found = Divergence(
+            Miss.TOKENS_DIFFER if same_text else Miss.PREFIX_MISMATCH,
+            entry.sha1,
+            at_token,
+            common,
+            excerpt(text, common, excerpt_bytes) if excerpt_bytes > 0 else None,
+            excerpt(theirs_text, common, excerpt_bytes) if excerpt_bytes > 0 else None,
+        )
+        if best is None or common > best[0]:
+            best = (common, found)
+    return best[1] if best is not None else None
+
+
+def explain(
+    store: Store,
+    table: TokenTable,
+    ns: str,
+    lookup: Lookup,
+    ids: np.ndarray,
+    excerpt_bytes: int = 0,
+) -> tuple[Miss, str, Divergence | None]:
+    """The refined reason, its words and where the prompt diverged, for ``lookup`` of
+    the prompt ``ids``. A lookup that found no checkpoint starting like the prompt keeps
+    its reason (no checkpoint); its words then name the nearest one."""
+    miss = lookup.miss or Miss.NO_CHECKPOINT
+    if miss is Miss.OTHER_NAMESPACE:
+        return miss, f"{miss.value} ({', '.join(lookup.other_namespaces)})", None
+    if miss not in (Miss.PREFIX_MISMATCH, Miss.NO_CHECKPOINT) or not lookup.diverged:
+        return miss, miss.value, None
+    found = diverge(store, table, ns, lookup.diverged, ids, excerpt_bytes)
+    if found is None:
+        return miss, miss.value, None
+    if miss is Miss.NO_CHECKPOINT:
+        return miss, f"{miss.value}; nearest: {found.words()}", found
+    return found.reason, found.words(), found
 
 
 class Diagnostics:
@@ -127,13 +150,31 @@ def describe_hit(lookup: Lookup, local: int) -> str:
 
 class LookupReport:
     """Counts each lookup's outcome in ``lookups{outcome}`` and writes its trace line; the
-    part that reads files (a divergence in words) runs on ``diagnostics``' thread."""
+    part that reads files (a divergence in words) runs on ``diagnostics``' thread, and
+    fills the request's :class:`CacheReport` ``divergence`` when it is done."""
 
     def __init__(
-        self, store: Store, table: TokenTable, stats: Any, trace: Trace, diagnostics: Diagnostics
+        self,
+        store: Store,
+        table: TokenTable,
+        stats: Any,
+        trace: Trace,
+        diagnostics: Diagnostics,
+        excerpt_bytes: int = 0,
     ):
         self.store, self.table, self.stats = store, table, stats
         self.trace, self.diagnostics = trace, diagnostics
+        self.excerpt_bytes = excerpt_bytes
+
+    def _explain(
+        self, ns: str, lookup: Lookup, ids: np.ndarray, report: CacheReport | None
+    ) -> tuple[Miss, str]:
+        refined, words, found = explain(self.store, self.table, ns, lookup, ids, self.excerpt_bytes)
+        if report is not None and found is not None:
+            if report.reason is Miss.PREFIX_MISMATCH:
+                report.reason = refined  # as the metric counts it (tokens_differ, say)
+            report.divergence = found  # one attribute store: the step thread reads it whole
+        return refined, words
 
     def hit(
         self,
@@ -144,11 +185,14 @@ class LookupReport:
         loaded: int,
         files: int,
         source: str = "",
+        report: CacheReport | None = None,
+        request: str = "",
     ) -> None:
         """``source``: ``object`` when files of the chain were fetched from the object
         store for this request (the hit's reason label, and the trace line says so)."""
         self.stats.count("lookups", f"hit:{source}")
-        if not self.trace.enabled:
+        explains = lookup.miss is not None and bool(lookup.diverged)
+        if not self.trace.enabled and not (explains and report is not None):
             return
         last, words = lookup.segments[-1].entry.sha1, describe_hit(lookup, local)
         if source:
@@ -157,22 +201,43 @@ class LookupReport:
         def trace_hit() -> None:
             detail = words
             if lookup.miss is not None:
-                _, why = explain(self.store, self.table, ns, lookup, ids)
+                _, why = self._explain(ns, lookup, ids, report)
                 detail += f"; not deeper: {why}"
-            self.trace.hit(last, loaded, files, detail)
+            self.trace.hit(last, loaded, files, detail, request)
 
         self.diagnostics.submit(trace_hit)
 
     def no_load(
-        self, ns: str, lookup: Lookup, ids: np.ndarray | None, on_device: int, declined: Any
+        self,
+        ns: str,
+        lookup: Lookup,
+        ids: np.ndarray | None,
+        on_device: int,
+        declined: Any,
+        report: CacheReport | None = None,
+        request: str = "",
     ) -> None:
         """A lookup that loads nothing: the GPU held it all, or a miss (and why)."""
         if lookup.segments and lookup.tokens <= on_device:
             self.stats.count("lookups", "device_hit:")
-            self.trace.device_hit(lookup.segments[-1].entry.sha1, on_device, lookup.tokens)
+            self.trace.device_hit(lookup.segments[-1].entry.sha1, on_device, lookup.tokens, request)
+            if report is not None and ids is not None and lookup.diverged:
+
+                def explain_only() -> None:  # the report's divergence; the trace said device hit
+                    self._explain(ns, lookup, ids, report)
+
+                self.diagnostics.submit(explain_only)
             return
         miss = lookup.miss or Miss.NO_CHECKPOINT
-        if miss is not Miss.PREFIX_MISMATCH or ids is None:
+        if (
+            ids is None
+            or not lookup.diverged
+            or miss
+            not in (
+                Miss.PREFIX_MISMATCH,
+                Miss.NO_CHECKPOINT,
+            )
+        ):
             self.stats.count("lookups", f"miss:{miss.label}")
             if self.trace.enabled:
                 detail = miss.value
@@ -185,15 +250,15 @@ class LookupReport:
                     )
                 if lookup.segments:
                     detail += f"; deepest checkpoint {lookup.tokens} tokens"
-                self.trace.miss(None, detail)
+                self.trace.miss(None, detail, request)
             return
 
         def explain_miss() -> None:  # reads files: off the engine step
-            refined, detail = explain(self.store, self.table, ns, lookup, ids)
+            refined, detail = self._explain(ns, lookup, ids, report)
             self.stats.count("lookups", f"miss:{refined.label}")
             if lookup.segments:
                 detail += f"; deepest checkpoint {lookup.tokens} tokens"
-            self.trace.miss(lookup.diverged[0].sha1 if lookup.diverged else None, detail)
+            self.trace.miss(lookup.diverged[0].sha1 if lookup.diverged else None, detail, request)
 
         if not self.diagnostics.submit(explain_miss):
             self.stats.count("lookups", f"miss:{miss.label}")

@@ -50,9 +50,20 @@ class TraceEvent:
     ms: float = 0.0
     detail: str = ""
     line: str = ""
+    request: str = ""  # the request a lookup line is about (miss, hit, device_hit)
 
 
 _SHA = r"sha1=(?P<sha1>[0-9a-f]{40}|-)"
+_REQUEST = re.compile(r"(?:^|; )request=(?P<request>[A-Za-z0-9._:-]+)$")
+_REQUEST_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
+
+
+def _request_tag(request: str) -> str:
+    """``; request=ID``: a request id as the trace writes it (vLLM's ids may come from a
+    client's header; anything but ``[A-Za-z0-9._:-]`` becomes ``_``, at most 128)."""
+    return f"; request={_REQUEST_CHARS.sub('_', request[:128])}" if request else ""
+
+
 _PATTERNS: list[tuple[str, re.Pattern[str]]] = [
     ("load_failed", re.compile(rf"^miss for {_SHA} \(reason: load failed: (?P<detail>.*)\)$")),
     ("miss", re.compile(rf"^miss for {_SHA} \(reason: (?P<detail>.*)\)$")),
@@ -117,6 +128,10 @@ def parse(line: str) -> TraceEvent | None:
         if m is None:
             continue
         g: dict[str, Any] = m.groupdict()
+        detail, request = (g.get("detail") or "").lstrip("; "), ""
+        tagged = _REQUEST.search(detail)
+        if tagged is not None:
+            detail, request = detail[: tagged.start()], tagged.group("request")
         return TraceEvent(
             kind,
             g.get("sha1") or "",
@@ -125,8 +140,9 @@ def parse(line: str) -> TraceEvent | None:
             int(g.get("bytes") or 0),
             int(g.get("files") or 0),
             float(g.get("ms") or 0),
-            (g.get("detail") or "").lstrip("; "),
+            detail,
             line.rstrip("\n"),
+            request,
         )
     return None
 
@@ -225,13 +241,13 @@ class Trace:
                 log.warning("kvdisk: trace write failed: %s", exc)
 
     # -- typed events -------------------------------------------------------------------
-    def miss(self, sha1: str | None, detail: str) -> None:
-        self.line(f"miss for sha1={sha1 or '-'} (reason: {detail})")
+    def miss(self, sha1: str | None, detail: str, request: str = "") -> None:
+        self.line(f"miss for sha1={sha1 or '-'} (reason: {detail}{_request_tag(request)})")
 
-    def hit(self, sha1: str, tokens: int, files: int, detail: str = "") -> None:
+    def hit(self, sha1: str, tokens: int, files: int, detail: str = "", request: str = "") -> None:
         self.line(
             f"hit for sha1={sha1} (restoring {tokens} tokens from {files} file(s)"
-            f"{'; ' + detail if detail else ''})"
+            f"{'; ' + detail if detail else ''}{_request_tag(request)})"
         )
 
     def loaded(self, sha1: str, tokens: int, files: int, seconds: float) -> None:
@@ -240,10 +256,10 @@ class Trace:
             f"{seconds * 1e3:.1f} ms)"
         )
 
-    def device_hit(self, sha1: str, on_device: int, on_disk: int) -> None:
+    def device_hit(self, sha1: str, on_device: int, on_disk: int, request: str = "") -> None:
         self.line(
             f"device hit for sha1={sha1} ({on_device} tokens in the GPU prefix cache "
-            f"cover the {on_disk} on disk)"
+            f"cover the {on_disk} on disk{_request_tag(request)})"
         )
 
     def probe(self, sha1: str, load_s: float, recompute_s: float) -> None:

@@ -12,8 +12,9 @@ general plugins, so it must name ``kvdisk`` too); ``vllm-kvdisk serve`` sets it.
 (on vLLM's CPU backend with ``VLLM_CPU_NUM_OF_RESERVED_CPU`` set to TP x PP too, as
 ``vllm-kvdisk serve`` sets it: see :func:`vllm_kvdisk.serve.reserved_cpus`).
 
-It adds no route. ``attach_router`` puts the tenancy gate (:mod:`vllm_kvdisk.api.tenancy`:
-each request's ``cache_salt`` from its tenant) in front of vLLM's handlers. ``init_state``
+It adds one route, ``POST /v1/kvdisk/prewarm`` (:mod:`vllm_kvdisk.api.prewarm`).
+``attach_router`` puts the tenancy gate (:mod:`vllm_kvdisk.api.tenancy`: each request's
+``cache_salt`` from its tenant) in front of vLLM's handlers. ``init_state``
 configures the gate and wraps, on the app's own handler objects (instance
 attributes; no vLLM class is patched):
 
@@ -139,18 +140,36 @@ class ReplayPlugin:
         from vllm_kvdisk.api.tenancy import TenancyGate
 
         self.tenancy = TenancyGate()
+        self.kv_dir: str | None = None  # the cache directory, once init_state read it
 
     def attach_router(self, app: Any) -> None:
-        """No routes: the tenancy gate goes in front of vLLM's handlers (inert until
-        ``init_state`` configures it); everything else wraps handlers."""
+        """One route, ``POST /v1/kvdisk/prewarm`` (:mod:`vllm_kvdisk.api.prewarm`); the
+        tenancy gate goes in front of vLLM's handlers (inert until ``init_state``
+        configures it); everything else wraps handlers."""
+        from vllm_kvdisk.api.prewarm import install as install_prewarm
         from vllm_kvdisk.api.tenancy import TenancyMiddleware
 
         app.add_middleware(TenancyMiddleware, gate=self.tenancy)
+        install_prewarm(app, lambda: self.kv_dir)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         if engine_client is None:
             return
         config = kvdisk_config(engine_client.vllm_config)
+        self._init_replay(engine_client, state, config)
+        if config is not None:  # after the replay's wrappers: it records what they render
+            self.kv_dir = config.kv_disk_dir
+            try:
+                from vllm_kvdisk.api.report import ResponseReports
+
+                ResponseReports(engine_client.renderer).install(
+                    getattr(state, "openai_serving_chat", None),
+                    getattr(state, "openai_serving_completion", None),
+                )
+            except Exception as exc:  # noqa: BLE001 - responses go out as vLLM writes them
+                log.warning("kvdisk: responses carry no report in streams (%s)", exc)
+
+    def _init_replay(self, engine_client: Any, state: Any, config: Any) -> None:
         if config is not None:  # with replay off too: no client plants a map for others
             strip_internal_keys(engine_client)
             self.tenancy.configure(

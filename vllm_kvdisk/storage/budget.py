@@ -36,6 +36,7 @@ from vllm_kvdisk.core.index import Index
 from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage.directory import Directory
 from vllm_kvdisk.storage.lock import DirLock
+from vllm_kvdisk.storage.pins import PinFile
 from vllm_kvdisk.storage.scan import Scanner
 from vllm_kvdisk.storage.stats import StoreStats
 
@@ -94,6 +95,7 @@ class Budget:
         # Each namespace's share of the budget, in percent (0: none): eviction takes the
         # files of namespaces over it first (``core.eviction``).
         self.namespace_share_pct = namespace_share_pct
+        self.pins = PinFile(directory.fd) if directory.fd >= 0 else None
 
     @property
     def share_bytes(self) -> int:
@@ -286,8 +288,12 @@ class Budget:
 
     def _guarded(self) -> set[Key]:
         """Files never evicted now: those of a namespace holding a file known bad whose
-        chain is unknown (``Scanner.guarded``)."""
-        return {e.key for ns in self.scanner.guarded() for e in self.index.namespace_entries(ns)}
+        chain is unknown (``Scanner.guarded``), and the pinned ones within the pin share
+        (``ROOT/.pins``, read under the lock like the rest of the plan)."""
+        guarded = {e.key for ns in self.scanner.guarded() for e in self.index.namespace_entries(ns)}
+        if self.pins is not None:
+            guarded |= self.pins.kept(self.index.get, self.clock())
+        return guarded
 
     def _groups(self) -> dict[str, str]:
         """TP groups of the indexed namespaces: ranks of one engine lose a file together."""

@@ -327,6 +327,21 @@ class Store:
     def dir_lock(self, timeout_s: float | None = None) -> contextlib.AbstractContextManager[None]:
         return self.lock.hold(timeout_s)
 
+    def pin(self, pins: list[tuple[Key, float]], share_bytes: int) -> None:
+        """Keep these checkpoints from eviction until their times (epoch seconds), within
+        ``share_bytes`` of pinned files (``storage/pins``). Raises like any write."""
+        if self.budget.pins is None:
+            raise OSError("the cache directory is not open")
+        with self.lock.hold():
+            self.budget.pins.add(pins, share_bytes, self.clock())
+
+    def pinned(self) -> set[Key]:
+        """The keys eviction leaves now for their pins."""
+        if self.budget.pins is None:
+            return set()
+        with self._mutex:
+            return self.budget.pins.kept(self.index.get, self.clock())
+
     def quarantined_files(self) -> list[str]:
         return self._quarantined.files()
 
