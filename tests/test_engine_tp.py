@@ -349,6 +349,9 @@ def test_an_empty_disk_restores_both_ranks_from_the_object_store(
         server.stop()
     assert reply["prompt_token_ids"] == turn.prompt
     assert reply["choices"][0]["token_ids"] == turn.generated == reference[("main", 2)]
-    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == turn.cached
+    # At least the run's hit: the bucket also holds what the run saved after that turn.
+    assert (
+        turn.cached <= reply["usage"]["prompt_tokens_details"]["cached_tokens"] < len(turn.prompt)
+    )
     assert count(evs, "load_failed") == 0 and count(evs, "loaded") == 2, [e.line for e in evs]
     assert all(kv_names(d) for d in rank_dirs(kv).values())  # both ranks' files fetched
