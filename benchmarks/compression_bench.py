@@ -36,8 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from common import close, make_llm, model_shape
-from engine_bench import SETTLE_S, timed_generate
-from io_bench import CHUNK, drop_cache, raw_read
+from engine_bench import SETTLE_S, raw_reads, timed_generate
+from io_bench import drop_cache
 
 from vllm_kvdisk.core.encode import encode_checkpoint
 from vllm_kvdisk.storage.fileread import read_meta, read_text, read_tokens, read_tool_map
@@ -157,18 +157,6 @@ def restore_chain(files: list[str], bufs, pool: ThreadPoolExecutor, cold: bool) 
     return time.perf_counter() - t0
 
 
-def raw_reads(files: list[str], pool: ThreadPoolExecutor, cold: bool) -> float:
-    sizes = [os.path.getsize(f) for f in files]
-    buf = memoryview(np.ones(max(sizes), dtype=np.uint8))
-    if cold:
-        for f in files:
-            drop_cache(f)
-    t0 = time.perf_counter()
-    for f, n in zip(files, sizes):
-        raw_read(f, buf[:n], CHUNK, pool)
-    return time.perf_counter() - t0
-
-
 def measure(name: str, files: list[str], work: str) -> None:
     parts = [pages_of(f) for f in files]
     raw_pages = sum(len(b) for p in parts for b in p[4])
@@ -213,7 +201,7 @@ def measure(name: str, files: list[str], work: str) -> None:
                     assert all(
                         bytes(b) == bytes(o) for p, bb in zip(parts, bufs) for b, o in zip(bb, p[4])
                     )
-            raw.append(raw_reads(files_of[False], pool, cold))
+            raw.append(raw_reads(files_of[False], pool, cold, 1))
         r, z, rr = (statistics.median(x) for x in (t[False], t[True], raw))
         what = "cold (dropped from the page cache)" if cold else "warm (page cache)"
         print(

@@ -56,18 +56,27 @@ def pages(rng: np.random.Generator, plan: SavePlan, layout: PageLayout = LAYOUT)
     ]
 
 
-def encode(plan: SavePlan, prompt: Prompt, layers, now: int = 1_000_000, tool_map=()):
+def encode(
+    plan: SavePlan,
+    prompt: Prompt,
+    layers,
+    now: int = 1_000_000,
+    tool_map=(),
+    fp: Fingerprint = FP,
+    compress: bool = False,
+):
     return encode_plan(
         plan,
         text=prompt.text_upto(plan.tokens),
         ids=prompt.ids,
         layers=layers,
         layout=LAYOUT,
-        fingerprint=FP.digest(),
+        fingerprint=fp.digest(),
         kv_dtype="float32",
         context_size=8192,
         now=now,
         tool_map=tool_map,
+        compress=compress,
     )
 
 

@@ -11,7 +11,7 @@ import pytest
 import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from synth import FP, LAYOUT, planner, prompt
+from synth import FP, LAYOUT, encode, planner, prompt
 
 from vllm_kvdisk.core import codec
 from vllm_kvdisk.core.codec import (
@@ -22,7 +22,7 @@ from vllm_kvdisk.core.codec import (
     decode_chunk,
     encode_chunk,
 )
-from vllm_kvdisk.core.encode import encode_checkpoint, encode_plan
+from vllm_kvdisk.core.encode import encode_checkpoint
 from vllm_kvdisk.core.format import (
     PAGE_ALIGN,
     PAYLOAD_VERSION_PACKED,
@@ -283,18 +283,7 @@ def test_kvdisk_verify_catches_a_flipped_byte_in_a_compressed_chunk(tmp_path, ca
         rng.normal(0, 1, nb * LAYOUT.page_bytes // 4).astype("<f4").tobytes()
         for _ in range(LAYOUT.num_layers)
     ]
-    enc = encode_plan(
-        plan,
-        text=p.text_upto(plan.tokens),
-        ids=p.ids,
-        layers=layers,
-        layout=LAYOUT,
-        fingerprint=FP.digest(),
-        kv_dtype="float32",
-        context_size=8192,
-        now=1,
-        compress=True,
-    )
+    enc = encode(plan, p, layers, now=1, compress=True)
     store.write(ns, plan.sha1, enc)
     assert verify(Store(str(tmp_path / "kv"), space_bytes=1 << 30, readonly=True)).problems == []
     code = main(["ls", str(tmp_path / "kv"), "--json"])

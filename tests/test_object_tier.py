@@ -203,9 +203,8 @@ def test_a_parent_inside_another_conversation_is_fetched_by_its_name(aws, tmp_pa
 def shard_files(store, fps, p, rng_seed=1):
     """The same root (48 tokens) and child (112) of prompt ``p`` in each shard's namespace
     (TP ranks: the same names, each rank its own pages)."""
-    from synth import LAYOUT, pages
+    from synth import encode, pages
 
-    from vllm_kvdisk.core.encode import encode_plan
     from vllm_kvdisk.core.format import Reason
 
     out = []
@@ -215,17 +214,7 @@ def shard_files(store, fps, p, rng_seed=1):
         plans = []
         for length in (48, 112):
             plan = planner(store).plan_save(ns, p, length, Reason.COLD)
-            enc = encode_plan(
-                plan,
-                text=p.text_upto(plan.tokens),
-                ids=p.ids,
-                layers=pages(rng, plan),
-                layout=LAYOUT,
-                fingerprint=fp.digest(),
-                kv_dtype="float32",
-                context_size=8192,
-                now=1_000_000,
-            )
+            enc = encode(plan, p, pages(rng, plan), fp=fp)
             store.write(ns, plan.sha1, enc)
             plans.append(plan)
         out.append((ns, plans))
