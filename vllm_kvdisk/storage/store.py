@@ -544,13 +544,17 @@ class Store:
         """Files whose chain is broken, from the directory as it is now (a forced refresh):
         never from an older view, in which a parent another replica saved since was still
         missing. ``remove``: delete them, under the lock (no name changes meanwhile), each
-        only if its name still is the file that was judged."""
+        only if its name still is the file that was judged; the listing runs before the
+        lock is taken, the journal's lines since under it (``Scanner.list_unlocked``)."""
         if not remove or self.readonly:
             with self._mutex:
                 self.scanner.refresh_all(force=True)
                 return self.index.orphans()
+        # Listed and stat'ed outside the lock (seconds for 100k files on a network file
+        # system); under it, only what changed since (the journal's lines).
+        self.scanner.list_unlocked()
         with self.lock.hold(), self._mutex:
-            self.scanner.refresh_all(force=True)
+            self.scanner.catch_up()
             found = self.index.orphans()
             for entry in found:
                 self.index.remove(entry.ns, entry.sha1)

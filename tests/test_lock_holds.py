@@ -1,0 +1,142 @@
+"""What runs while ``ROOT/.lock`` is held: never a listing of the whole directory where
+one can run before the lock is taken. Every other replica's saves wait while it is held,
+then skip (a listing of 100k files on a network file system takes seconds). Checked by
+what happened, never by durations: each listing asks whether the lock is free (a flock
+through a descriptor of its own)."""
+
+import errno
+import fcntl
+import os
+
+import numpy as np
+from synth import FP, prompt, save
+
+from vllm_kvdisk.storage.budget import RECHECKS
+from vllm_kvdisk.storage.scan import Scanner
+from vllm_kvdisk.storage.store import Store
+from vllm_kvdisk.storage.verify import verify
+
+
+def lock_free(root: str) -> bool:
+    """Whether nobody holds ``root/.lock`` now (ours included: another open file
+    description's flock conflicts with it)."""
+    fd = os.open(os.path.join(root, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        assert exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def watch_listings(monkeypatch, root: str) -> list[bool]:
+    """Each listing of a namespace from now on: whether the lock was free during it."""
+    seen: list[bool] = []
+    real = Scanner._list
+
+    def listing(self, dir_fd):
+        seen.append(lock_free(root))
+        return real(self, dir_fd)
+
+    monkeypatch.setattr(Scanner, "_list", listing)
+    return seen
+
+
+def kv_names(store: Store, ns: str) -> set[str]:
+    return {n for n in os.listdir(store.ns_dir(ns)) if n.endswith(".kv")}
+
+
+def filled(tmp_path, files: int = 6) -> tuple[Store, Store, str]:
+    a = Store(str(tmp_path / "cache"), space_bytes=1 << 30)
+    ns = a.ensure_namespace(FP)
+    rng = np.random.default_rng(0)
+    for seed in range(files):
+        save(a, ns, prompt(seed, vocab=256), 48, rng)
+    b = Store(a.root, space_bytes=1 << 30)
+    b.scan()
+    return a, b, ns
+
+
+def test_a_save_after_failed_eviction_plans_lists_outside_the_lock(tmp_path, monkeypatch):
+    """Another replica's hits move the victims' mtimes before each check, RECHECKS times:
+    the save then lists the directory whole. It used to do so under the lock."""
+    a, b, ns = filled(tmp_path)
+    real = b.scanner.verify_victims
+    hit = []
+
+    def hits_then_check(plan):
+        if len(hit) < RECHECKS:  # another replica's hits on every victim
+            hit.append([e.sha1 for e in plan])
+            for entry in plan:
+                path = a.path(entry.ns, entry.sha1)
+                st = os.stat(path)
+                os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        return real(plan)
+
+    monkeypatch.setattr(b.scanner, "verify_victims", hits_then_check)
+    b.space_bytes = b.index.total_bytes + 1  # the next save must evict
+    listings = watch_listings(monkeypatch, a.root)
+    before = kv_names(a, ns)
+    saved, _ = save(b, ns, prompt(99, vocab=256), 48, np.random.default_rng(1))
+    assert len(hit) == RECHECKS
+    after = kv_names(a, ns)
+    assert f"{saved.sha1}.kv" in after and len(before - after) >= 1  # evicted, then saved
+    assert listings and all(listings), "the directory was listed under the lock"
+    assert not b.index.orphans()
+    b.refresh(ns, force=True)
+    assert {f"{e.sha1}.kv" for e in b.index.entries()} == after
+
+
+def test_verify_fix_lists_outside_the_lock_and_still_deletes_orphans(tmp_path, monkeypatch):
+    """``verify --fix`` judges orphans from the directory as it is at its end and deletes
+    them under the lock; the listing and the stat of every file used to run under it."""
+    a, _, ns = filled(tmp_path, files=4)
+    rng = np.random.default_rng(2)
+    p = prompt(50, vocab=256)
+    root, _ = save(a, ns, p, 32, rng)
+    child, _ = save(a, ns, p, 48, rng)
+    os.unlink(a.path(ns, root.sha1))  # by hand, without the lock: the child is an orphan
+    store = Store(a.root, space_bytes=1 << 30)
+    listings = watch_listings(monkeypatch, a.root)
+    report = verify(store)
+    assert [(p.sha1, p.kind, p.fixed) for p in report.problems] == [
+        (child.sha1, "orphan", "deleted")
+    ]
+    assert not os.path.exists(a.path(ns, child.sha1))
+    assert listings and all(listings), "the directory was listed under the lock"
+
+
+def test_a_listing_outside_the_lock_follows_what_another_replica_changed_meanwhile(
+    tmp_path, monkeypatch
+):
+    """Another replica saves a file and evicts one while this store's listing runs
+    outside the lock: the journal's lines, read under the lock afterwards, bring both,
+    and the view is whole (a later check under the lock lists nothing)."""
+    a, b, ns = filled(tmp_path)
+    rng = np.random.default_rng(3)
+    gone = next(iter(a.index.entries()))
+    real = Scanner._list
+    done = []
+
+    def listing(self, dir_fd):
+        listed = real(self, dir_fd)
+        if self is b.scanner and not done:  # another replica, between listing and lock
+            done.append(save(a, ns, prompt(77, vocab=256), 48, rng)[0])
+            a.remove_file(ns, gone.sha1)
+        return listed
+
+    monkeypatch.setattr(Scanner, "_list", listing)
+    b.scanner.list_unlocked()
+    new = done[0]
+    monkeypatch.setattr(Scanner, "_list", real)
+    listings = watch_listings(monkeypatch, a.root)
+    with b.lock.hold(), b._mutex:
+        b.scanner.catch_up()
+    assert listings == []  # the journal said it all
+    assert b.index.get(ns, new.sha1) is not None
+    assert b.index.get(ns, gone.sha1) is None
+    assert b.scanner.journaled()
+    on_disk = {n[:40] for n in os.listdir(a.ns_dir(ns)) if n.endswith(".kv")}
+    assert {e.sha1 for e in b.index.entries()} == on_disk
