@@ -579,14 +579,18 @@ class Store:
                     os.unlink(f"{sha1}.kv", dir_fd=state.fd)
                     self.scanner.names_changed(remove=[(ns, sha1, None)])
 
-    def remove_namespace(self, ns: str, *, wait: bool = True) -> int:
+    def remove_namespace(
+        self, ns: str, *, wait: bool = True, lock_timeout_s: float | None = None
+    ) -> int:
         """Remove a whole namespace; returns the files removed. The directory is renamed
         away under the lock, so concurrent readers of it only miss and no save lands in
         it; its files are deleted after the lock is released (100k files take minutes,
         and every other replica's saves would wait for the lock, then skip). ``wait``
         False: by a thread of their own (``reset_cache`` runs in the engine's step); a
-        process that dies first leaves a ``.trash-*`` that the next scan deletes."""
-        with self.lock.hold(), self._mutex:
+        process that dies first leaves a ``.trash-*`` that the next scan deletes.
+        ``lock_timeout_s``: how long to wait for the lock (LockTimeout after it; default:
+        the store's)."""
+        with self.lock.hold(lock_timeout_s), self._mutex:
             trash = self.directory.rename_away(ns, int(self.clock() * 1000))
             if trash is None:
                 return 0
