@@ -7,7 +7,8 @@
   Every name this store changes is counted and journaled (``names_changed``).
 * Only when the journal cannot say (none, a gap, an unknown count) does it list: one stat
   of a namespace directory when its mtime is unchanged (an mtime read within a timestamp
-  tick of the change is not trusted), else a listing; a forced refresh, a catch-up's
+  tick of the change is not trusted, the tick judged by the file system's own clock,
+  ``Directory.now_ns``), else a listing; a forced refresh, a catch-up's
   listing and the background listing also stat every file, (inode, size, mtime): an
   inode alone is reused at once by the next file (and a copied cache has other inodes).
 * A scan reads each file's first bytes (header, sections table, stored-id digests),
@@ -435,10 +436,13 @@ class Scanner:
             self.forget_namespace(ns, gone=True)
             return True
         view = self._views.setdefault(ns, _View())
-        looked_ns = time.time_ns()
         mtime = os.fstat(state.fd).st_mtime_ns
         if not force and mtime == view.mtime_ns:
             return False
+        # The file system's time, then the mtime the listing is judged by: both from the
+        # clock that stamps the directory's changes (a file server's may be behind ours).
+        looked_ns = self.directory.now_ns()
+        mtime = os.fstat(state.fd).st_mtime_ns
         listed = self._list(state.fd)
         view.relist = False
         for entry in self.index.namespace_entries(ns):
