@@ -140,3 +140,22 @@ def test_a_listing_outside_the_lock_follows_what_another_replica_changed_meanwhi
     assert b.scanner.journaled()
     on_disk = {n[:40] for n in os.listdir(a.ns_dir(ns)) if n.endswith(".kv")}
     assert {e.sha1 for e in b.index.entries()} == on_disk
+
+
+def test_verify_fix_quarantines_without_listing_under_the_lock(tmp_path, monkeypatch):
+    """A file whose pages fail their checksum: the quarantine catches the index up under
+    the lock before it deletes the file's descendants; right after verify's scan the view
+    is not whole, and that catch-up listed the namespace under the lock."""
+    a, _, ns = filled(tmp_path, files=4)
+    bad = next(iter(a.index.entries()))
+    with open(a.path(ns, bad.sha1), "r+b") as fh:
+        fh.seek(-16, os.SEEK_END)
+        fh.write(b"\xa5" * 16)
+    store = Store(a.root, space_bytes=1 << 30)
+    listings = watch_listings(monkeypatch, a.root)
+    report = verify(store)
+    assert [(p.sha1, p.kind, p.fixed) for p in report.problems] == [
+        (bad.sha1, "bad", "quarantined")
+    ]
+    assert not os.path.exists(a.path(ns, bad.sha1))
+    assert listings and all(listings), "the directory was listed under the lock"

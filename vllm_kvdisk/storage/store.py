@@ -436,6 +436,8 @@ class Store:
                 self._forget_corrupt(ns, sha1, why, inode)
             return False
         try:
+            if self.scanner.needs_listing():  # listed before the lock, not under it
+                self.scanner.list_unlocked(changed=True)
             with self.lock.hold(), self._mutex:
                 return bool(self._quarantine(ns, sha1, why, inode=inode, dev=dev, wait=True))
         except fsdir.LockTimeout as exc:
