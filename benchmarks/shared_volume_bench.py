@@ -21,9 +21,9 @@ through mount A, to the volume; then, each side by side:
   file's stored ids that a lookup leaving a file inside costs, once per file;
 * the longest hold of ``ROOT/.lock`` (``DirLock.longest_hold_s``: from the flock to its
   release): of ``kvdisk verify --fix`` (one file corrupted first, so it quarantines it
-  and deletes its child), and of a save whose eviction plans failed ``RECHECKS`` times
-  (before each check, the victims' mtimes are moved through the writer's mount, as
-  another replica's hits do). While one replica holds the lock, every other one's saves
+  and deletes its child), of the first save after it, and of a save whose eviction plans
+  failed ``RECHECKS`` times (before each check, the victims' mtimes are moved, as another
+  replica's hits do). While one replica holds the lock, every other one's saves
   wait, then skip after ``kv_disk_lock_timeout_s`` (10 s). ``--holds-only``: only these;
 * ``--io``: save and restore bandwidth of the worker's I/O path (``io_bench.py``) against a
   plain read and write of the same bytes, on each directory.
@@ -223,7 +223,9 @@ def lock_holds(root: str, other: str, jobs: int) -> dict[str, float]:
         if failed < RECHECKS:
             failed += 1
             for entry in plan:
-                path = os.path.join(root, entry.ns, f"{entry.sha1}.kv")
+                # Through this store's own mount: another mount's change reaches it only
+                # after its attribute cache expires (GlusterFS's FUSE client: 1 s).
+                path = os.path.join(other, entry.ns, f"{entry.sha1}.kv")
                 with contextlib.suppress(FileNotFoundError):
                     st = os.stat(path)
                     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))

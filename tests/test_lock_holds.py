@@ -159,3 +159,32 @@ def test_verify_fix_quarantines_without_listing_under_the_lock(tmp_path, monkeyp
     ]
     assert not os.path.exists(a.path(ns, bad.sha1))
     assert listings and all(listings), "the directory was listed under the lock"
+
+
+def test_a_dropped_entry_is_listed_before_the_lock_not_under_it(tmp_path, monkeypatch):
+    """A load failed (``Store.forget``): the namespace owes a listing. The next save lists
+    it before the lock; another replica's save lands meanwhile, and the catch-up under the
+    lock, following its line, used to list the namespace again there."""
+    a, b, ns = filled(tmp_path)
+    with b.lock.hold(), b._mutex:
+        b.scanner.catch_up()
+    dropped = next(iter(b.index.entries()))
+    b.forget(ns, dropped.sha1)
+    real = Scanner._list
+    rng = np.random.default_rng(4)
+    theirs = []
+    seen: list[bool] = []
+
+    def listing(self, dir_fd):
+        seen.append(lock_free(a.root))
+        listed = real(self, dir_fd)
+        if self is b.scanner and not theirs:  # another replica's save, before b's lock
+            theirs.append(save(a, ns, prompt(88, vocab=256), 48, rng)[0])
+        return listed
+
+    monkeypatch.setattr(Scanner, "_list", listing)
+    mine, _ = save(b, ns, prompt(89, vocab=256), 48, np.random.default_rng(5))
+    assert seen and all(seen), "the directory was listed under the lock"
+    for sha1 in (dropped.sha1, theirs[0].sha1, mine.sha1):
+        assert b.index.get(ns, sha1) is not None
+    assert b.scanner.journaled()

@@ -516,6 +516,7 @@ class Scanner:
                 return
             dir_fd = os.dup(state.fd)
             known = {e.sha1: e for e in self.index.namespace_entries(ns)}
+            gaps = self._gaps
         try:
             listed = self._list(dir_fd)
             # Identity, outside the mutex (a stat per file): a cache copied to another
@@ -531,6 +532,10 @@ class Scanner:
             }
             with self._mutex:
                 self._settle(ns, dir_fd, known, listed, stale)
+                if self._gaps == gaps and ns in self._views:
+                    # Listed after every entry that left the index had left it: the
+                    # listing a catch-up owed this namespace is made (``_relist``).
+                    self._views[ns].relist = False
         finally:
             os.close(dir_fd)
 
