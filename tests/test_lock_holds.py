@@ -188,3 +188,13 @@ def test_a_dropped_entry_is_listed_before_the_lock_not_under_it(tmp_path, monkey
     for sha1 in (dropped.sha1, theirs[0].sha1, mine.sha1):
         assert b.index.get(ns, sha1) is not None
     assert b.scanner.journaled()
+
+
+def test_gc_decides_from_a_fresh_listing_made_outside_the_lock(tmp_path, monkeypatch):
+    """``kvdisk gc``/``evict`` decide from a fresh listing, under the lock; the listing
+    itself used to run under it."""
+    a, b, ns = filled(tmp_path)
+    listings = watch_listings(monkeypatch, a.root)
+    gone = b.evict(1)
+    assert len(gone) == 1 and not os.path.exists(a.path(ns, gone[0].sha1))
+    assert listings and all(listings), "the directory was listed under the lock"
