@@ -252,6 +252,14 @@ class Scanner:
         lock stays busy past ``timeout_s``."""
         with self.lock.hold(timeout_s), self._mutex:
             count = self.lock.count()
+            if count is None and not self.directory.readonly:
+                # Never counted (a new or copied cache, an older kvdisk's): start a count,
+                # as a snapshot does, so the catch-up under the lock can tell that nothing
+                # changed since this listing (an unknown count lists there every time).
+                counted = self.lock.count_change()
+                if counted is not None:
+                    count = counted[1]
+                    self._whole_at = count if self._whole_at == -1 else None
             self._count_known = count is not None
             if count is not None and self._whole_at is not None and count != self._whole_at:
                 self._follow()
