@@ -19,6 +19,12 @@ through mount A, to the volume; then, each side by side:
   save, and a save that must evict (its victims stat'ed, nothing listed);
 * a lookup at first sight: a two-file chain used whole (no I/O), and the read of a
   file's stored ids that a lookup leaving a file inside costs, once per file;
+* the longest hold of ``ROOT/.lock`` (``DirLock.longest_hold_s``: from the flock to its
+  release): of ``kvdisk verify --fix`` (one file corrupted first, so it quarantines it
+  and deletes its child), of the first save after it, and of a save whose eviction plans
+  failed ``RECHECKS`` times (before each check, the victims' mtimes are moved, as another
+  replica's hits do). While one replica holds the lock, every other one's saves
+  wait, then skip after ``kv_disk_lock_timeout_s`` (10 s). ``--holds-only``: only these;
 * ``--io``: save and restore bandwidth of the worker's I/O path (``io_bench.py``) against a
   plain read and write of the same bytes, on each directory.
 
@@ -47,7 +53,9 @@ from vllm_kvdisk.core.encode import encode_plan
 from vllm_kvdisk.core.format import Reason
 from vllm_kvdisk.core.planner import Planner, Prompt, SavePlan
 from vllm_kvdisk.core.tokens import TokenTable
+from vllm_kvdisk.storage.budget import RECHECKS
 from vllm_kvdisk.storage.store import Store
+from vllm_kvdisk.storage.verify import verify
 from vllm_kvdisk.testing import gluster
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -171,6 +179,68 @@ def measure(root: str, other: str, n: int) -> dict[str, float]:
     return out
 
 
+def corrupt_one(root: str) -> str:
+    """Overwrite the last bytes (its pages) of one root checkpoint that has a child, through
+    ``root``: verify proves it corrupt. Returns its name."""
+    store = Store(root, space_bytes=1 << 50, readonly=True)
+    ns = store.namespaces()[0]
+    names = sorted(n for n in os.listdir(os.path.join(root, ns)) if n.endswith(".kv"))
+    for name in names:
+        path = os.path.join(root, ns, name)
+        with open(path, "r+b") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(size - 64)
+            fh.write(b"\xa5" * 64)
+            os.fsync(fh.fileno())
+        return name
+    raise SystemExit(f"no checkpoint in {root}/{ns}")
+
+
+def lock_holds(root: str, other: str, jobs: int) -> dict[str, float]:
+    """The longest ``ROOT/.lock`` hold of ``verify --fix`` and of a save after failed
+    eviction plans, through ``other`` (``root``: the writer's mount, where the corruption
+    and the other replica's hits are made)."""
+    out: dict[str, float] = {}
+    corrupt_one(root)
+    store = Store(other, space_bytes=1 << 50)
+    store.lock.longest_hold_s = 0.0
+    t0 = time.perf_counter()
+    report = verify(store, jobs=jobs)
+    out["verify --fix, whole run"] = time.perf_counter() - t0
+    out["verify --fix, longest lock hold"] = store.lock.longest_hold_s
+    if report.fixed < 1:
+        raise SystemExit(f"verify --fix fixed nothing: {report.problems[:3]}")
+    ns = store.namespaces()[0]
+    store.lock.longest_hold_s = 0.0
+    out["first save after verify --fix, whole save"] = timed(lambda: one_file(store, ns, 21))
+    out["first save after verify --fix, longest lock hold"] = store.lock.longest_hold_s
+    real = store.scanner.verify_victims
+    failed = 0
+
+    def hit_then_verify(plan: list) -> bool:  # another replica's hits on every victim
+        nonlocal failed
+        if failed < RECHECKS:
+            failed += 1
+            for entry in plan:
+                # Through this store's own mount: another mount's change reaches it only
+                # after its attribute cache expires (GlusterFS's FUSE client: 1 s).
+                path = os.path.join(other, entry.ns, f"{entry.sha1}.kv")
+                with contextlib.suppress(FileNotFoundError):
+                    st = os.stat(path)
+                    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        return real(plan)
+
+    store.scanner.verify_victims = hit_then_verify  # type: ignore[method-assign]
+    store.space_bytes = store.index.total_bytes + 1  # the next save must evict
+    store.lock.longest_hold_s = 0.0
+    out["save after failed eviction plans, whole save"] = timed(lambda: one_file(store, ns, 20))
+    out["save after failed eviction plans, longest lock hold"] = store.lock.longest_hold_s
+    if failed != RECHECKS:
+        raise SystemExit(f"the save's eviction plans failed {failed} times, not {RECHECKS}")
+    return out
+
+
 def io_numbers(directory: str, args: argparse.Namespace) -> dict[str, float]:
     """io_bench.py on ``directory``: restore/limit warm and cold, save/limit, and GB/s."""
     cmd = [
@@ -222,12 +292,12 @@ def io_numbers(directory: str, args: argparse.Namespace) -> dict[str, float]:
 
 def show(title: str, local: dict[str, float], shared: dict[str, float], unit: str) -> None:
     print(f"\n{title}")
-    print(f"  {'':46} {'local':>12} {'volume':>12} {'volume/local':>13}")
+    print(f"  {'':54} {'local':>12} {'volume':>12} {'volume/local':>13}")
     for key in local:
         a, b = local[key], shared.get(key, float("nan"))
         scale = 1e3 if unit == "ms" else 1.0
         print(
-            f"  {key:46} {a * scale:10.3f}{unit:>2} {b * scale:10.3f}{unit:>2} "
+            f"  {key:54} {a * scale:10.3f}{unit:>2} {b * scale:10.3f}{unit:>2} "
             f"{b / a if a else float('nan'):12.2f}x"
         )
 
@@ -257,6 +327,8 @@ def main() -> None:
     ap.add_argument("--dirs", nargs=3, metavar=("LOCAL", "MOUNT_A", "MOUNT_B"))
     ap.add_argument("--io", action="store_true", help="also save/restore bandwidth")
     ap.add_argument("--io-tokens", type=int, default=2048)
+    ap.add_argument("--holds-only", action="store_true", help="only the longest lock holds")
+    ap.add_argument("--verify-jobs", type=int, default=4, help="verify --fix's --jobs")
     args = ap.parse_args()
     with directories(args) as (local, mount_a, mount_b):
         for n in [int(x) for x in args.files.split(",")]:
@@ -271,8 +343,11 @@ def main() -> None:
                 f"deltas): written locally in {made:.1f} s, copied to the volume in "
                 f"{copied:.1f} s (16 threads)"
             )
-            loc = measure(src, src, written)
-            vol = measure(os.path.join(mount_a, sub), os.path.join(mount_b, sub), written)
+            a, b = os.path.join(mount_a, sub), os.path.join(mount_b, sub)
+            loc = {} if args.holds_only else measure(src, src, written)
+            vol = {} if args.holds_only else measure(a, b, written)
+            loc.update(lock_holds(src, src, args.verify_jobs))
+            vol.update(lock_holds(a, b, args.verify_jobs))
             show(
                 f"{written} files: local disk against the volume (through the other mount)",
                 loc,

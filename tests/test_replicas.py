@@ -178,7 +178,9 @@ def test_remove_namespace_deletes_its_files_outside_the_lock(tmp_path, monkeypat
     monkeypatch.setattr(Directory, "delete_tree", delete_tree)
     assert a.remove_namespace(ns) == 3
     assert lock_free
-    assert [n for n in os.listdir(a.root) if n not in (".lock", ".journal", ".salt-key")] == []
+    assert [
+        n for n in os.listdir(a.root) if n not in (".lock", ".journal", ".salt-key", ".clock")
+    ] == []
 
 
 def test_trash_left_by_a_killed_remover_goes_at_the_next_scan(tmp_path):
@@ -321,4 +323,6 @@ def test_reset_cache_leaves_the_deletion_to_a_thread(tmp_path, monkeypatch):
     gate.set()
     for thread in a.removing:
         thread.join()
-    assert [n for n in os.listdir(a.root) if n not in (".lock", ".journal", ".salt-key")] == []
+    assert [
+        n for n in os.listdir(a.root) if n not in (".lock", ".journal", ".salt-key", ".clock")
+    ] == []

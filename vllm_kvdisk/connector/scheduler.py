@@ -21,11 +21,15 @@ Invariants:
   (``vllm:kvdisk_errors_total{hook}``), logged, and the request is served without the cache.
   A request that was promised a load always gets a load job (possibly one that fails at
   once), so it never waits forever.
+* The engine's step never waits for ``ROOT/.lock``: ``reset_cache`` tries it once; a
+  namespace whose rename must wait for it is renamed by a thread (``kvdisk-reset``), and
+  lookups in it miss meanwhile. (Refreshes in a lookup try the lock once, to quarantine.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Any
 
@@ -55,12 +59,14 @@ from vllm_kvdisk.ops.diagnose import Diagnostics, LookupReport
 from vllm_kvdisk.ops.metrics import KVDiskStats, snapshot
 from vllm_kvdisk.ops.recorder import StatsRecorder
 from vllm_kvdisk.ops.trace import Trace
+from vllm_kvdisk.storage.fsdir import LockTimeout
 from vllm_kvdisk.storage.objecttier import object_tier
 from vllm_kvdisk.storage.store import Store
 
 log = get_logger(__name__)
 
 REFRESH_INTERVAL_S = 2.0
+RESET_TRIES = 6  # reset_cache's thread waits for the lock this many times its timeout
 
 
 class SchedulerSide:
@@ -161,6 +167,11 @@ class SchedulerSide:
         self._pending_pins: dict[Key, int] = {}
         self._pins_refused = False  # warned once
         self.pin_share_bytes = self.store.space_bytes * config.kv_disk_pin_share_pct // 100
+        # Namespaces reset_cache removes but could not rename in the step (the lock was
+        # busy): lookups in them miss until the thread renamed them (``_finish_resets``).
+        self._resetting: set[str] = set()
+        self._reset_mutex = threading.Lock()
+        self.resetter: threading.Thread | None = None
         self._shutdown_requested = False
         self._shutdown_saved = False
         on_stop_signal(self._stop_requested)
@@ -239,6 +250,9 @@ class SchedulerSide:
         memo_key = (num_computed_tokens, usable)
         if not st.control.load:  # the request asked not to load: a miss, said as such
             st.memo, st.memo_key, st.memo_ids = Lookup(miss=Miss.SKIPPED), memo_key, None
+            return 0, False
+        if st.ns in self._resetting:  # being removed by reset_cache's thread: a miss
+            st.memo_key = None
             return 0, False
         if self.fetches is not None and self.fetches.waiting(request.request_id):
             st.memo_key = None  # looked up again once the fetch ended
@@ -645,7 +659,9 @@ class SchedulerSide:
     def reset_cache(self) -> bool:
         """Remove this model's checkpoints (every LoRA, salt and TP rank of it) from disk.
         Each namespace directory is renamed away first, so concurrent readers only miss;
-        its files are deleted by a thread, after the step."""
+        its files are deleted by a thread, after the step. The rename is made under
+        ``ROOT/.lock``, tried once here: where another process holds it, a thread waits
+        for it and renames, and this engine's lookups in that namespace miss meanwhile."""
         mine = {
             k: v
             for k, v in self.base_fp.describe().items()
@@ -656,18 +672,56 @@ class SchedulerSide:
             info = self.store.namespace_info(ns)
             if info is None or any(info.get(k) != v for k, v in mine.items()):
                 continue
-            removed += self.store.remove_namespace(ns, wait=False)  # in the engine's step
+            try:  # in the engine's step: never a wait for the lock
+                removed += self.store.remove_namespace(ns, wait=False, lock_timeout_s=0.0)
+            except LockTimeout:
+                with self._reset_mutex:
+                    self._resetting.add(ns)
             spaces += 1
             self.events.removed_namespace(ns)
+        with self._reset_mutex:
+            if self._resetting and self.resetter is None:
+                self.resetter = threading.Thread(
+                    target=self._finish_resets, name="kvdisk-reset", daemon=True
+                )
+                self.resetter.start()
         for st in self._reqs.values():
             st.memo = st.memo_key = st.memo_ids = None
         log.info(
-            "kvdisk: cache reset: %d checkpoint(s) removed in %d namespace(s) of %s",
+            "kvdisk: cache reset: %d checkpoint(s) removed in %d namespace(s) of %s%s",
             removed,
             spaces,
             self.base_fp.model,
+            f" ({len(self._resetting)} left to a thread: the lock is busy)"
+            if self._resetting
+            else "",
         )
         return True
+
+    def _finish_resets(self) -> None:
+        """``reset_cache``'s thread: rename away each namespace it left, waiting for the
+        lock (``kv_disk_lock_timeout_s`` a try, RESET_TRIES tries: a lock held longer is
+        stuck, and the namespace is then served again, said in the log)."""
+        tries: dict[str, int] = {}
+        while True:
+            with self._reset_mutex:
+                todo = sorted(self._resetting)
+                if not todo:
+                    self.resetter = None
+                    return
+            for ns in todo:
+                try:
+                    removed = self.store.remove_namespace(ns, wait=False)
+                    log.info("kvdisk: cache reset: %d checkpoint(s) removed in %s", removed, ns)
+                except LockTimeout as exc:
+                    tries[ns] = tries.get(ns, 0) + 1
+                    if tries[ns] < RESET_TRIES:
+                        continue
+                    log.error("kvdisk: cache reset of %s given up: %s", ns, exc)
+                except Exception:  # noqa: BLE001 - the thread must end, the namespace be served
+                    log.exception("kvdisk: cache reset of %s failed", ns)
+                with self._reset_mutex:
+                    self._resetting.discard(ns)
 
     def has_pending_push_work(self) -> bool:
         # Keep the engine stepping until saves in flight are reported (the index learns

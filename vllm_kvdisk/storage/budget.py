@@ -64,6 +64,11 @@ class SaveSkipped(Exception):
         self.detail = detail
 
 
+class _Relist(Exception):
+    """Eviction plans kept failing their checks: the commit lists the directory outside
+    the lock, then tries once more."""
+
+
 class Budget:
     def __init__(
         self,
@@ -175,15 +180,26 @@ class Budget:
 
     def _commit(self, entry: Entry, tmp: fsdir.TempFile | None, protect: Iterable[Key]) -> None:
         """Under the lock: check the parent, make room, then rename the temp file into
-        place (``tmp`` None: only make room for a file of ``entry.size``)."""
+        place (``tmp`` None: only make room for a file of ``entry.size``). Eviction plans
+        that kept failing their checks (``_Relist``) release the lock, list the directory
+        outside it, and the commit is made once more. A view that is not whole (a gap) is
+        listed before the lock is taken, where it changed."""
         try:
+            if self.scanner.needs_listing():  # a gap: listed before the lock, not under it
+                self.scanner.list_unlocked(changed=True)
+            try:
+                with self.lock.hold(), self._mutex:
+                    self._commit_locked(entry, tmp, protect, listed=False)
+                return
+            except _Relist:
+                self.scanner.list_unlocked()
             with self.lock.hold(), self._mutex:
-                self._commit_locked(entry, tmp, protect)
+                self._commit_locked(entry, tmp, protect, listed=True)
         except fsdir.LockTimeout as exc:
             raise SaveSkipped("lock_timeout", str(exc)) from None
 
     def _commit_locked(
-        self, entry: Entry, tmp: fsdir.TempFile | None, protect: Iterable[Key]
+        self, entry: Entry, tmp: fsdir.TempFile | None, protect: Iterable[Key], *, listed: bool
     ) -> None:
         ns = entry.ns
         self.scanner.catch_up()  # a listing only if another process changed a name
@@ -213,7 +229,9 @@ class Budget:
         need = self._shortfall(entry.size, incoming)
         if need > 0:
             keep = set(protect) | {entry.key}
-            plan = self._plan(need, keep, [entry], lambda: self._shortfall(entry.size, incoming))
+            plan = self._plan(
+                need, keep, [entry], lambda: self._shortfall(entry.size, incoming), listed
+            )
             freed = sum(e.size for e in plan)
             need = self._shortfall(entry.size, incoming)
             if freed < need:
@@ -301,17 +319,25 @@ class Budget:
 
     # -- eviction ---------------------------------------------------------------------
     def _plan(
-        self, need: int, keep: set[Key], adding: list[Entry], shortfall: Callable[[], int]
+        self,
+        need: int,
+        keep: set[Key],
+        adding: list[Entry],
+        shortfall: Callable[[], int],
+        listed: bool = True,
     ) -> list[Entry]:
         """Under the lock: the leaves to delete, each checked on disk first (a stat per
         victim, never a listing: the index is caught up by the journal or a listing). A
         victim that is not the file its entry says (another replica's hits, another file
         on its name) is read again and the plan made again; after a few rounds, the
-        directory is listed and stat'ed whole."""
+        directory is listed and stat'ed whole: outside the lock (``_Relist``, unless
+        ``listed``: that was done), since every other replica's saves wait while it is
+        held."""
         keep = keep | self._guarded()
         for attempt in range(RECHECKS + 1):
             if attempt == RECHECKS:
-                self.scanner.refresh_all(force=True)
+                if not listed:
+                    raise _Relist
                 need = shortfall()
             with bulk():  # O(files) small objects: the collector would walk the index
                 # Files known bad are on disk: their parents are no leaves.
@@ -353,8 +379,9 @@ class Budget:
     ) -> list[Entry]:
         """Delete the lowest-scored leaves until ``need_bytes`` are freed (decided under the
         lock from a fresh listing). ``dry_run``: only say what would go."""
+        self.scanner.list_unlocked()  # a fresh listing, not held under the lock
         with self.lock.hold(), self._mutex:
-            self.scanner.refresh_all(force=True)
+            self.scanner.catch_up()
             plan = plan_eviction(
                 self.index,
                 need_bytes,

@@ -57,6 +57,7 @@ log = get_logger(__name__)
 NS_NAME = re.compile(r"^[0-9a-f]{16}$")
 KV_NAME = re.compile(r"^[0-9a-f]{40}\.kv$")
 TRASH_PREFIX = ".trash-"
+CLOCK_NAME = ".clock"  # its mtime is the file system's time (``Directory.now_ns``)
 NS_INFO_MAX_BYTES = 1 << 16  # ours are ~400 bytes
 MAX_OPEN = 32  # namespace descriptors kept open
 MAX_NAMESPACES = 4096
@@ -115,6 +116,7 @@ class Directory:
         # Read-only (inspection tools): never moves, deletes or creates anything.
         self.readonly = readonly
         self.fd = -1  # the root's descriptor
+        self._clock_fd = -1  # ROOT/.clock's (``now_ns``)
         self.removing: list[threading.Thread] = []  # namespaces being deleted (rm, reset)
         self._mutex = mutex
         self._on_replaced = on_replaced
@@ -132,8 +134,37 @@ class Directory:
         self.fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.drops_cache = fsdir.drops_cache(self.fd)
 
+    def now_ns(self) -> int | None:
+        """The file system's time now: the mtime that ``futimens`` gives ``ROOT/.clock``
+        (the file server's clock where it stamps times, as NFS does; where each client
+        stamps them, as GlusterFS's ctime feature does, this host's). What a directory's
+        mtime is judged racy by (``fsdir.racy``): this host's clock, ahead of the
+        server's, made a change of the same tick look old. None where it cannot be had
+        (a read-only store, a ``.clock`` that is not a regular file of ours): every
+        directory is then listed at each refresh."""
+        if self.readonly or self.fd < 0:
+            return None
+        with self._mutex:
+            try:
+                if self._clock_fd < 0:
+                    self._clock_fd = fsdir.open_regular(
+                        CLOCK_NAME, self.fd, flags=os.O_RDWR | os.O_CREAT, single_link=True
+                    )
+                os.utime(self._clock_fd)
+                return os.fstat(self._clock_fd).st_mtime_ns
+            except OSError:
+                self._close_clock()
+                return None
+
+    def _close_clock(self) -> None:
+        if self._clock_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._clock_fd)
+            self._clock_fd = -1
+
     def close(self) -> None:
         with self._mutex:
+            self._close_clock()
             for state in self._ns.values():
                 self._close(state)
             self._ns.clear()

@@ -415,11 +415,16 @@ def drop_cached(fd: int, offset: int = 0, length: int = 0) -> None:
 RACY_NS = 50_000_000  # above any kernel's timestamp tick (jiffies: 1-10 ms)
 
 
-def racy(mtime_ns: int, looked_ns: int) -> bool:
+def racy(mtime_ns: int, looked_ns: int | None) -> bool:
     """Whether a directory whose mtime was read at ``looked_ns`` may still change without
     that mtime moving: timestamps are coarse (a jiffy on ext4, a second on some file
     systems), so a change in the same tick as the look leaves the same mtime. Such an
-    mtime is not remembered, and the next refresh lists the directory again."""
+    mtime is not remembered, and the next refresh lists the directory again.
+    ``looked_ns`` is the file system's own time (``Directory.now_ns``: the clock that
+    stamped the mtime), never this host's, which may run ahead of the file server's and
+    make a change of the same tick look old; None (unknown): racy."""
+    if looked_ns is None:
+        return True
     tick = 1_000_000_000 if mtime_ns % 1_000_000_000 == 0 else RACY_NS
     return looked_ns - mtime_ns < tick
 

@@ -7,7 +7,8 @@
   Every name this store changes is counted and journaled (``names_changed``).
 * Only when the journal cannot say (none, a gap, an unknown count) does it list: one stat
   of a namespace directory when its mtime is unchanged (an mtime read within a timestamp
-  tick of the change is not trusted), else a listing; a forced refresh, a catch-up's
+  tick of the change is not trusted, the tick judged by the file system's own clock,
+  ``Directory.now_ns``), else a listing; a forced refresh, a catch-up's
   listing and the background listing also stat every file, (inode, size, mtime): an
   inode alone is reused at once by the next file (and a copied cache has other inodes).
 * A scan reads each file's first bytes (header, sections table, stored-id digests),
@@ -109,6 +110,8 @@ class Scanner:
         # names_changed; -1: whole, while the count was unknown; None: not known whole).
         self._whole_at: int | None = None
         self._gaps = 0  # how often the view stopped being whole (a listing checks it)
+        self._changes = 0  # how many changes this store counted (``list_unlocked`` checks)
+        self._count_known = True  # the lock's change count was known at the last look
         self.journal = Journal(
             directory.fd, readonly=directory.readonly, drop_cache=directory.drops_cache
         )
@@ -211,6 +214,7 @@ class Scanner:
         """Under the lock and the mutex: make the index whole, unless the lock's change
         count is where this view was last whole (then no name changed since)."""
         count = self.lock.count()
+        self._count_known = count is not None
         followed = count is not None and count != self._whole_at and self._follow()
         if followed and self._whole_at == count:
             self._relist()  # the journal said what changed: only dropped entries listed
@@ -227,6 +231,76 @@ class Scanner:
             if self._gaps == gaps:
                 self._whole_at = -1 if count is None else count
                 self.journal.skip_to_end()  # every line there is in what was listed
+
+    def needs_listing(self) -> bool:
+        """Whether a ``catch_up`` under the lock would list now: the view is not whole at
+        a count the journal can follow from (not when the count itself is unknown: then
+        every catch-up lists, and a listing before it would be a second one)."""
+        return self._whole_at is None and self._count_known
+
+    def list_unlocked(self, timeout_s: float | None = None, *, changed: bool = False) -> None:
+        """List every namespace and stat every file (what a forced refresh does) without
+        holding the lock through it: seconds for 100k files on a network file system,
+        during which every other replica's saves would wait for the lock, then skip.
+        Under the lock, briefly, the view is brought to the lock's change count by the
+        journal's lines (or, at a gap, only the count is noted); the listing then runs
+        outside the lock and the mutex (``reconcile``); a ``catch_up`` under the lock
+        afterwards reads only the lines written since. A view that was not whole becomes
+        whole at the noted count if nothing else changed it meanwhile; otherwise that
+        ``catch_up`` lists. ``changed``: only the namespaces a catch-up would list (their
+        directory's mtime moved, or an entry left them), not every one. LockTimeout if the
+        lock stays busy past ``timeout_s``."""
+        with self.lock.hold(timeout_s), self._mutex:
+            count = self.lock.count()
+            if count is None and not self.directory.readonly:
+                # Never counted (a new or copied cache, an older kvdisk's): start a count,
+                # as a snapshot does, so the catch-up under the lock can tell that nothing
+                # changed since this listing (an unknown count lists there every time).
+                counted = self.lock.count_change()
+                if counted is not None:
+                    count = counted[1]
+                    self._whole_at = count if self._whole_at == -1 else None
+            self._count_known = count is not None
+            if count is not None and self._whole_at is not None and count != self._whole_at:
+                self._follow()
+            pending = None
+            if count is not None and self._whole_at != count:
+                # A gap: the listing below makes the view whole at this count, unless a
+                # change of this store or a lost namespace comes in between.
+                self._whole_at, pending = None, count
+                self.journal.skip_to_end()
+            marks = (self._gaps, self._changes)
+            only = self._changed() if changed else None
+        self.reconcile(identity=True, only=only)
+        with self._mutex:
+            if (
+                pending is not None
+                and self._whole_at is None
+                and marks
+                == (
+                    self._gaps,
+                    self._changes,
+                )
+            ):
+                self._whole_at = pending
+
+    def _changed(self) -> set[str]:
+        """Under the mutex: the namespaces a non-forced refresh would list now (and those
+        gone, whose entries go)."""
+        names = self.directory.namespaces()
+        out = set(self.index.namespaces()) - set(names)
+        for ns in names:
+            view = self._views.get(ns)
+            if view is None or view.relist:
+                out.add(ns)
+                continue
+            try:
+                state = self.directory.namespace(ns)
+                if state is None or os.fstat(state.fd).st_mtime_ns != view.mtime_ns:
+                    out.add(ns)
+            except OSError:  # the listing finds out (an error is its namespace's alone)
+                out.add(ns)
+        return out
 
     def _relist(self) -> None:
         """Under the mutex: list the namespaces an entry left without its name changing
@@ -280,6 +354,7 @@ class Scanner:
         this view stays whole if it was. The journal is rewritten when its change lines
         outgrow the snapshot (or there is none yet) and this view is whole. ``counted``:
         the count moved already (``DirLock.count_change``, before a rename)."""
+        self._changes += 1
         if counted is True:
             counted = self.lock.count_change()
         if not isinstance(counted, tuple):
@@ -369,10 +444,13 @@ class Scanner:
             self.forget_namespace(ns, gone=True)
             return True
         view = self._views.setdefault(ns, _View())
-        looked_ns = time.time_ns()
         mtime = os.fstat(state.fd).st_mtime_ns
         if not force and mtime == view.mtime_ns:
             return False
+        # The file system's time, then the mtime the listing is judged by: both from the
+        # clock that stamps the directory's changes (a file server's may be behind ours).
+        looked_ns = self.directory.now_ns()
+        mtime = os.fstat(state.fd).st_mtime_ns
         listed = self._list(state.fd)
         view.relist = False
         for entry in self.index.namespace_entries(ns):
@@ -422,13 +500,15 @@ class Scanner:
                         os.unlink(de.name, dir_fd=dir_fd)
         return listed
 
-    def reconcile(self, *, identity: bool = True) -> None:
+    def reconcile(self, *, identity: bool = True, only: set[str] | None = None) -> None:
         """After a start from the journal: list every namespace once, outside the mutex
         (seconds for 100k files on a network file system, lookups go on meanwhile), and
         index what the journal missed: files of a writer killed before its line, files
         deleted without the lock, temp files of dead writers."""
         names = self.directory.namespaces()
         for ns in sorted(set(self.index.namespaces()) - set(names)) + names:
+            if only is not None and ns not in only:
+                continue
             try:  # an error is its namespace's alone: the others are still listed
                 self._reconcile(ns, identity)
             except OSError as exc:
@@ -444,6 +524,7 @@ class Scanner:
                 return
             dir_fd = os.dup(state.fd)
             known = {e.sha1: e for e in self.index.namespace_entries(ns)}
+            gaps = self._gaps
         try:
             listed = self._list(dir_fd)
             # Identity, outside the mutex (a stat per file): a cache copied to another
@@ -459,6 +540,10 @@ class Scanner:
             }
             with self._mutex:
                 self._settle(ns, dir_fd, known, listed, stale)
+                if self._gaps == gaps and ns in self._views:
+                    # Listed after every entry that left the index had left it: the
+                    # listing a catch-up owed this namespace is made (``_relist``).
+                    self._views[ns].relist = False
         finally:
             os.close(dir_fd)
 

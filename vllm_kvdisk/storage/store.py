@@ -451,6 +451,8 @@ class Store:
                 self._forget_corrupt(ns, sha1, why, inode)
             return False
         try:
+            if self.scanner.needs_listing():  # listed before the lock, not under it
+                self.scanner.list_unlocked(changed=True)
             with self.lock.hold(), self._mutex:
                 return bool(self._quarantine(ns, sha1, why, inode=inode, dev=dev, wait=True))
         except fsdir.LockTimeout as exc:
@@ -559,13 +561,17 @@ class Store:
         """Files whose chain is broken, from the directory as it is now (a forced refresh):
         never from an older view, in which a parent another replica saved since was still
         missing. ``remove``: delete them, under the lock (no name changes meanwhile), each
-        only if its name still is the file that was judged."""
+        only if its name still is the file that was judged; the listing runs before the
+        lock is taken, the journal's lines since under it (``Scanner.list_unlocked``)."""
         if not remove or self.readonly:
             with self._mutex:
                 self.scanner.refresh_all(force=True)
                 return self.index.orphans()
+        # Listed and stat'ed outside the lock (seconds for 100k files on a network file
+        # system); under it, only what changed since (the journal's lines).
+        self.scanner.list_unlocked()
         with self.lock.hold(), self._mutex:
-            self.scanner.refresh_all(force=True)
+            self.scanner.catch_up()
             found = self.index.orphans()
             for entry in found:
                 self.index.remove(entry.ns, entry.sha1)
@@ -590,14 +596,18 @@ class Store:
                     os.unlink(f"{sha1}.kv", dir_fd=state.fd)
                     self.scanner.names_changed(remove=[(ns, sha1, None)])
 
-    def remove_namespace(self, ns: str, *, wait: bool = True) -> int:
+    def remove_namespace(
+        self, ns: str, *, wait: bool = True, lock_timeout_s: float | None = None
+    ) -> int:
         """Remove a whole namespace; returns the files removed. The directory is renamed
         away under the lock, so concurrent readers of it only miss and no save lands in
         it; its files are deleted after the lock is released (100k files take minutes,
         and every other replica's saves would wait for the lock, then skip). ``wait``
         False: by a thread of their own (``reset_cache`` runs in the engine's step); a
-        process that dies first leaves a ``.trash-*`` that the next scan deletes."""
-        with self.lock.hold(), self._mutex:
+        process that dies first leaves a ``.trash-*`` that the next scan deletes.
+        ``lock_timeout_s``: how long to wait for the lock (LockTimeout after it; default:
+        the store's)."""
+        with self.lock.hold(lock_timeout_s), self._mutex:
             trash = self.directory.rename_away(ns, int(self.clock() * 1000))
             if trash is None:
                 return 0
