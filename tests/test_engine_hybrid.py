@@ -327,7 +327,12 @@ def test_a_gated_deltanet_chat_caches_at_least_what_vllms_own_cache_does(qwen3ne
 
     def kvdisk() -> Server:
         return Server(
-            qwen3next_model, str(tmp_path / "kv"), str(tmp_path / "kvdisk.log"), dtype="bfloat16"
+            qwen3next_model,
+            str(tmp_path / "kv"),
+            str(tmp_path / "kvdisk.log"),
+            "--trace",
+            str(tmp_path / "trace.txt"),
+            dtype="bfloat16",
         )
 
     def ask(server, messages) -> tuple[list[int], list[int], int]:
