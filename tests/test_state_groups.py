@@ -234,6 +234,27 @@ def test_the_newest_whole_boundary_is_pinned_in_vllms_block_pool():
     assert states.pinned == 0 and held[2].ref_cnt == 1
 
 
+def test_a_junction_state_is_named_in_the_step_that_offers_it():
+    """vLLM keeps a state where a request's full-attention hit ran past its state hit
+    (``shared_prefix_boundary``: conversations sharing a prefix meet there) and offers it
+    one step before the replay boundary, whose pin replaces it: ``take`` names the
+    requests pinned anew, and ``junction`` says when the pin is that junction, so the
+    scheduler saves it in that step."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    pool = BlockPool(32, True, B)
+    ids = [b.block_id for b in pool.get_new_blocks(3)]
+    states = StateHandoffs((Group(GroupKind.STATE, 2), Group(GroupKind.FULL, 2)))
+    states.pool = pool
+    request = types.SimpleNamespace(shared_prefix_boundary=1280)
+    assert states.take(step({"r": [(0, ids[0], 1280)]}), lambda r, t: True) == ["r"]
+    assert states.junction("r", request) == 1280
+    assert states.junction("r", types.SimpleNamespace(shared_prefix_boundary=0)) == 0
+    assert states.take(step({"r": [(0, ids[1], 1920)]}), lambda r, t: True) == ["r"]
+    assert states.junction("r", request) == 0  # the replay boundary: the rules save it
+    assert states.take(step({"r": [(0, ids[2], 640)]}), lambda r, t: True) == []  # older
+
+
 def info(spec: str, **kw) -> GroupInfo:
     return GroupInfo(
         spec,

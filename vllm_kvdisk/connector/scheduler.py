@@ -44,7 +44,7 @@ from vllm_kvdisk.connector.statehandoffs import StateHandoffs
 from vllm_kvdisk.core.config import KVDiskConfig
 from vllm_kvdisk.core.control import RequestControl
 from vllm_kvdisk.core.entry import Key
-from vllm_kvdisk.core.format import FULL_ONLY, Group
+from vllm_kvdisk.core.format import FULL_ONLY, Group, Reason
 from vllm_kvdisk.core.index import Lookup, Miss
 from vllm_kvdisk.core.keys import Fingerprint, Namespaces, as_token_array, salt_digest
 from vllm_kvdisk.core.lifecycle import Phase, RequestState
@@ -426,7 +426,12 @@ class SchedulerSide:
         self._loads = []
         try:
             self.states.preempted(scheduler_output.preempted_req_ids)
-            self.states.take(scheduler_output, self._state_saveable)
+            for req_id in self.states.take(scheduler_output, self._state_saveable):
+                st = self._reqs.get(req_id)
+                if st is not None and st.may_save:
+                    at = self.states.junction(req_id, st.request)
+                    if at:  # where conversations meet: saved before a later pin drops it
+                        self._plan(st, [(at, Reason.COLD)])
             for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
                 st = self._reqs.get(req_id)
                 if st is None or not st.may_save:

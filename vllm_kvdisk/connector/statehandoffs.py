@@ -6,6 +6,13 @@ crosses), and vLLM frees it one step later. It offers each such state to a conne
 step that computes it (``SchedulerOutput.kv_connector_block_state
 .boundary_state_offloads``: request, group, block, boundary tokens), without keeping it.
 
+vLLM keeps (with its default ``prefix_cache_retention_interval`` 0) two kinds of
+boundary: the prompt's replay boundary and a shared-prefix junction, where a request's
+full-attention hit ran past its state hit (``request.shared_prefix_boundary``: the
+scheduler ends a chunk there so that siblings sharing the prefix resume from it). A
+junction is saved in the step that offers it (``junction``), since the replay boundary
+offered a step later replaces its pin.
+
 So per request this keeps the **newest** offered boundary whose every state group was
 offered and where a save could be made (the request saves, the boundary is within its
 ``max_save_tokens``), pinned in vLLM's block pool (``touch``), until a newer one replaces
@@ -37,12 +44,13 @@ class StateHandoffs:
     def active(self) -> bool:
         return bool(self.state_groups)
 
-    def take(self, scheduler_output: Any, wanted: Callable[[str, int], bool]) -> None:
+    def take(self, scheduler_output: Any, wanted: Callable[[str, int], bool]) -> list[str]:
         """Pin, per request, the newest whole boundary offered this step that ``wanted``
         accepts (``wanted(req_id, tokens)``: a save could be made there), releasing the
-        one it replaces."""
+        one it replaces. The requests pinned anew this step, in offer order."""
+        pinned: list[str] = []
         if not self.active or self.pool is None:
-            return
+            return pinned
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         offers = getattr(state, "boundary_state_offloads", None) or {}
         for req_id, entries in offers.items():
@@ -64,8 +72,10 @@ class StateHandoffs:
             blocks = {g: self.pool.blocks[b] for g, b in by_boundary[tokens].items()}
             self.pool.touch(list(blocks.values()))
             self._newest[req_id] = (tokens, blocks)
+            pinned.append(req_id)
             if old is not None:
                 self.pool.free_blocks(list(old[1].values()))
+        return pinned
 
     def boundary(self, req_id: str) -> tuple[int, dict[int, int]] | None:
         """The newest state boundary pinned for a request: (tokens, group -> block id)."""
@@ -73,6 +83,13 @@ class StateHandoffs:
         if found is None:
             return None
         return found[0], {g: b.block_id for g, b in found[1].items()}
+
+    def junction(self, req_id: str, request: Any) -> int:
+        """The request's pinned boundary when it is the shared-prefix junction vLLM kept
+        for it, else 0."""
+        found = self._newest.get(req_id)
+        at = int(getattr(request, "shared_prefix_boundary", 0) or 0)
+        return found[0] if found is not None and at > 0 and found[0] == at else 0
 
     def finished(self, req_id: str, saving: bool) -> None:
         """A request left the engine: its pin goes now, or, when a save of it was just
