@@ -23,3 +23,18 @@ def kv_files(kv: str) -> list[str]:
         for p in glob.glob(os.path.join(kv, "*", "*.kv"))
         if os.path.basename(os.path.dirname(p)) != QUARANTINE
     )
+
+
+# A function tool the tests' chats offer (the hermes parser reads its calls).
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+        },
+    },
+}
+TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")

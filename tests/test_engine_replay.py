@@ -9,23 +9,11 @@ import time
 import pytest
 import requests
 from engine import Server, engine, events, generate, shared_prefix, wait_until
-from helpers import WORDS, text
+from helpers import TOOL_ARGS, WEATHER, WORDS, text
 
 from vllm_kvdisk.replay.ktm import load_tool_maps
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather in a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
-            },
-        },
-    }
-]
+TOOLS = [WEATHER]
 # Key order and spacing the template would never write: it renders
 # '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "c", "city": "Rome"}}\n</tool_call>'.
 CALL = '<tool_call>{"arguments":{"unit":"c","city":"Rome"},"name":"get_weather"}</tool_call>'
@@ -35,7 +23,6 @@ FORCE = {
     "return_token_ids": True,
     "structured_outputs": {"regex": re.escape(CALL)},
 }
-TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 BLOCK = 128
 
 pytestmark = pytest.mark.engine

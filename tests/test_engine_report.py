@@ -9,21 +9,10 @@ import os
 import pytest
 import requests
 from engine import Server, shared_prefix, wait_until
-from helpers import text
+from helpers import TOOL_ARGS, WEATHER, text
 
 pytestmark = pytest.mark.engine
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
-        },
-    },
-}
 CLOCK = {
     "type": "function",
     "function": {
@@ -117,15 +106,13 @@ def stored(server, messages, salt, tools=(WEATHER,), **extra) -> dict:
     return first
 
 
+def tool_server(model: str, tmp_path, *args: str) -> Server:
+    """`vllm-kvdisk serve` that parses tool calls, its cache in ``tmp_path/kv``."""
+    return Server(model, str(tmp_path / "kv"), str(tmp_path / "log"), *TOOL_ARGS, *args)
+
+
 def test_each_invalidator_is_named_with_its_message_offset_and_reason(tiny_model, tmp_path):
-    server = Server(
-        tiny_model,
-        str(tmp_path / "kv"),
-        str(tmp_path / "log"),
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-    )
+    server = tool_server(tiny_model, tmp_path)
     try:
         base = conversation()
         cases = {
@@ -172,16 +159,7 @@ def test_each_invalidator_is_named_with_its_message_offset_and_reason(tiny_model
 
 
 def test_excerpts_when_enabled_come_only_from_the_requests_own_salt(tiny_model, tmp_path):
-    server = Server(
-        tiny_model,
-        str(tmp_path / "kv"),
-        str(tmp_path / "log"),
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-        "--kv-diagnose-excerpt-bytes",
-        "40",
-    )
+    server = tool_server(tiny_model, tmp_path, "--kv-diagnose-excerpt-bytes", "40")
     try:
         stored(server, conversation(), "tenant-a")
         edited = conversation(question="yak " + text(300, 120))
@@ -227,14 +205,7 @@ def test_a_pinned_prefix_survives_gc_and_a_prewarmed_one_is_the_first_requests_d
     from vllm_kvdisk.storage import pins
 
     kv = str(tmp_path / "kv")
-    server = Server(
-        tiny_model,
-        kv,
-        str(tmp_path / "log"),
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-    )
+    server = tool_server(tiny_model, tmp_path)
     try:
         pinned, plain = conversation(), conversation(question="yak " + text(300, 120))
         first = stored(server, pinned, "pinned", kv_transfer_params={"kvdisk": {"pin_s": 3600}})

@@ -7,7 +7,6 @@ was held (an Event marks the load thread at the lock), never by durations."""
 from __future__ import annotations
 
 import os
-import subprocess
 import threading
 
 import pytest
@@ -21,20 +20,9 @@ from workers import BLOCK, FP, load_job, make_worker, save_job  # noqa: E402
 from vllm_kvdisk.connector.jobs import LoadFile, StepMeta  # noqa: E402
 from vllm_kvdisk.storage import fileread  # noqa: E402
 from vllm_kvdisk.storage.lock import DirLock  # noqa: E402
+from vllm_kvdisk.testing.harness import hold_lock  # noqa: E402
 
 IDS = np.arange(10_000, 10_000 + 64 * BLOCK, dtype="<u4")
-
-
-def hold_lock(root: str) -> subprocess.Popen:
-    """Another process holding ``root/.lock`` until its stdin closes."""
-    proc = subprocess.Popen(
-        ["flock", os.path.join(root, ".lock"), "sh", "-c", "echo held; read line"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None and proc.stdout.readline() == "held\n"
-    return proc
 
 
 def test_a_restores_quarantine_waits_on_the_load_thread_never_in_the_step(tmp_path, monkeypatch):

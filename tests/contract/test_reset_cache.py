@@ -6,23 +6,12 @@ durations."""
 from __future__ import annotations
 
 import os
-import subprocess
 
 import vllm_api as api
 from driver import seed_checkpoint
 from test_protocol import PROMPT
 
-
-def hold_lock(root: str) -> subprocess.Popen:
-    """Another process holding ``root/.lock`` until its stdin closes."""
-    proc = subprocess.Popen(
-        ["flock", os.path.join(root, ".lock"), "sh", "-c", "echo held; read line"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None and proc.stdout.readline() == "held\n"
-    return proc
+from vllm_kvdisk.testing.harness import hold_lock
 
 
 def test_reset_cache_never_waits_for_the_lock_in_the_step(make_engine):

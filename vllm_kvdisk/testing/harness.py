@@ -351,3 +351,16 @@ class Server:
             "stop_s": round(time.perf_counter() - t0, 2),
             "killed_lingering_children": lingered,
         }
+
+
+def hold_lock(root: str) -> subprocess.Popen[str]:
+    """Another process holding ``root/.lock`` (``flock``) until its stdin closes."""
+    proc = subprocess.Popen(
+        ["flock", os.path.join(root, ".lock"), "sh", "-c", "echo held; read line"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    if proc.stdout is None or proc.stdout.readline() != "held\n":
+        raise RuntimeError(f"could not hold {root}/.lock")
+    return proc
