@@ -15,8 +15,9 @@ written and fsynced into two directories, then:
      encode + write + fsync the chain on the 4 write threads a worker has;
   3. restoring the chain into preallocated buffers the way ``restore`` reads (raw: one
      sequential stream when cold, 4 threads when in the page cache; compressed: 4
-     threads), warm (page cache) and cold (fsync + POSIX_FADV_DONTNEED); ratio
-     compressed / raw (target cold: <= 1.0) beside a raw read of the raw files;
+     threads, a cold file read ahead by the kernel), warm (page cache) and cold (fsync +
+     POSIX_FADV_DONTNEED); ratio compressed / raw (target cold: <= 1.0) beside a raw
+     read of the raw files;
   4. decode while saving (unless --skip-decode): engine_bench's batch (4 x 1024-token
      prompts, 256 tokens each, a continued save every 128 tokens) on the wide model, with
      no connector, kvdisk compression off and kvdisk compression zstd, rounds
@@ -42,7 +43,7 @@ from io_bench import drop_cache
 from vllm_kvdisk.core.encode import encode_checkpoint
 from vllm_kvdisk.storage.fileread import read_meta, read_text, read_tokens, read_tool_map
 from vllm_kvdisk.storage.fsdir import writev_all
-from vllm_kvdisk.storage.pageread import read_layers_into
+from vllm_kvdisk.storage.pageread import read_ahead, read_layers_into
 
 REPEAT = 5
 
@@ -142,6 +143,8 @@ def restore_chain(files: list[str], bufs, pool: ThreadPoolExecutor, cold: bool) 
             if cold and meta.payload.packing is None:  # one sequential stream
                 read_layers_into(fd, meta, 0, [memoryview(b) for b in layers])
                 continue
+            if cold:  # as restore does for a cold compressed file
+                read_ahead(fd, meta)
             groups = min(n, 2 * pool._max_workers)
             cuts = [n * g // groups for g in range(groups + 1)]
             futures += [

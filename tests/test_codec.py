@@ -345,3 +345,26 @@ def test_a_table_claiming_huge_chunks_or_counts_is_refused_before_any_allocation
     struct.pack_into("<I", bad, meta.offsets.table + field, value)
     with pytest.raises(FormatError, match=why):
         read_meta(write(tmp_path, bytes(bad), "huge.kv"), len(bad))
+
+
+@pytest.mark.parametrize("delta", [-1, 1, 4096])
+def test_a_plane_that_decodes_to_another_length_is_corrupt(delta):
+    """A frame whose checksums agree (a writer that lied, or a crafted file) but which
+    decodes to fewer or more bytes than its plane holds is refused, never written past the
+    plane (the decoder fills a reused buffer of exactly the plane's size)."""
+    import zstandard
+
+    data = bf16_like(np.random.default_rng(3), 4096).tobytes()
+    size = len(data) // 2
+    low, high_plane = data[0::2], data[1::2]
+    plane = high_plane[:delta] if delta < 0 else high_plane + b"\0" * delta
+    high = zstandard.ZstdCompressor(level=1).compress(plane)
+    stored = low + high
+    chunk = codec.Chunk(
+        xxhash.xxh3_64_intdigest(stored),
+        xxhash.xxh3_64_intdigest(data),
+        (size | codec.RAW_PLANE, len(high), 0, 0),
+    )
+    out = bytearray(len(data))
+    with pytest.raises(FormatError, match="decode"):
+        decode_chunk(memoryview(stored), chunk, 2, memoryview(out))

@@ -15,6 +15,8 @@ the tokens the engine's own prefix cache would). Then the pages are read:
   goes back to the pool at once (fresh memory is slow to touch). Files in the page cache
   are read by all reader threads at once; cold files as one sequential stream (an
   ``RWF_NOWAIT`` probe tells which; parallel streams were slower than one on a cold disk).
+  Compressed files are read by all reader threads (decoding sets the pace), a cold one
+  after asking the kernel to read it ahead in file order (``pageread.read_ahead``).
 * device caches are read into host staging and copied into the blocks with torch, layer
   i+1 read while layer i is copied.
 
@@ -39,7 +41,12 @@ from vllm_kvdisk.connector.staging import StagingPool
 from vllm_kvdisk.connector.transfer import PageMover
 from vllm_kvdisk.core.format import FULL_ONLY, FormatError, Group
 from vllm_kvdisk.storage.fileread import Meta, read_meta, read_token_range, read_tokens
-from vllm_kvdisk.storage.pageread import pages_cached, read_layer_parts, read_layers_into
+from vllm_kvdisk.storage.pageread import (
+    pages_cached,
+    read_ahead,
+    read_layer_parts,
+    read_layers_into,
+)
 from vllm_kvdisk.storage.store import Store
 
 # Files of a chain open at once: each batch is checked whole, then read, then closed, so a
@@ -282,6 +289,8 @@ class Restorer:
                 # every reader thread at once.
                 # Twice as many tasks as threads, by bytes: with one per thread, five
                 # files on four threads left one thread 40% of the work.
+                if not cached[i] and all(not f and not b for f, b, _ in o.layers):
+                    read_ahead(o.fd, o.meta)  # cold and compressed: stream it in file order
                 share = (o.meta.offsets.ktm - o.meta.offsets.pages) / max(1, warm_bytes)
                 tasks = self._direct_tasks(o, groups=max(1, math.ceil(2 * threads * share)))
                 futures += [(i, self.readers.submit(task)) for task in tasks]

@@ -6,7 +6,8 @@ checksum while it is read (the restore's hot path; the file's metadata is read b
   engine's blocks or staging buffers;
 * :func:`read_layer_parts`: one layer of which only some pages are used, the others read
   through a bounded scratch buffer for the checksum;
-* :func:`pages_cached`: whether the pages look resident in the page cache.
+* :func:`pages_cached`: whether the pages look resident in the page cache;
+* :func:`read_ahead`: the kernel reads a cold compressed file ahead of its decoders.
 
 Each piece is hashed right after its ``preadv`` (batched by IOV_MAX), while still in the
 CPU's caches. A checksum mismatch raises :class:`~vllm_kvdisk.core.format.FormatError`;
@@ -251,6 +252,19 @@ def read_layer_into(
 ) -> None:
     """Read one layer's pages into ``out`` and verify its checksum (see read_layers_into)."""
     read_layers_into(fd, meta, layer, [out])
+
+
+def read_ahead(fd: int, meta: Meta) -> None:
+    """Ask the kernel to read a cold file's pages ahead (``POSIX_FADV_WILLNEED``), so the
+    disk streams them in file order while several threads decode compressed chunks at
+    once (their reads at scattered offsets would defeat the kernel's own read-ahead).
+    Advice only: nothing happens where it is unsupported."""
+    try:
+        os.posix_fadvise(
+            fd, meta.offsets.pages, meta.offsets.ktm - meta.offsets.pages, os.POSIX_FADV_WILLNEED
+        )
+    except (OSError, AttributeError):
+        pass
 
 
 def pages_cached(fd: int, meta: Meta) -> bool:
