@@ -4,9 +4,9 @@ gives them, partial-file hits, and which KV cache groups are served or refused."
 import pytest
 
 from vllm_kvdisk.core.compat import GroupInfo, UnsupportedConfig, groups_signature, kv_groups
-from vllm_kvdisk.core.format import Group, GroupKind, Reason, window_blocks
+from vllm_kvdisk.core.format import Group, GroupKind, Reason, window_blocks, window_held
 from vllm_kvdisk.core.index import Entry, Lookup, Miss, Segment
-from vllm_kvdisk.core.planner import trim_to_windows, window_sources
+from vllm_kvdisk.core.planner import trim_to_windows, window_files, window_sources
 
 B, W = 128, 256  # the tiny Gemma 3: block 128, window 256 (a hit needs 2 blocks)
 
@@ -49,7 +49,10 @@ def test_a_whole_file_gives_its_own_window():
 def test_a_partial_file_hit_is_served_where_its_window_and_its_parents_cover_it():
     # parent ends at 1408 (window blocks 9, 10), child ends at 1664 (blocks 11, 12); a
     # prompt leaving the child at 1536 needs blocks 10 and 11: one from each file.
-    assert window_sources([(1408, 1408, 0), (1664, 1536, 1408)], 1536, 0, W, B) == [(10, 11), (11, 12)]
+    assert window_sources([(1408, 1408, 0), (1664, 1536, 1408)], 1536, 0, W, B) == [
+        (10, 11),
+        (11, 12),
+    ]
 
 
 def test_a_partial_file_hit_far_from_the_files_end_is_not_served():
@@ -171,3 +174,42 @@ def test_vllm_specs_are_read_as_their_kind():
     )
     with pytest.raises(UnsupportedConfig, match="mamba cache mode 'all'"):
         kv_groups([group_info(other_mode, 2), group_info(full, 2)])
+
+
+def test_a_delta_on_a_parent_ending_where_it_starts_stores_only_its_new_window_blocks():
+    # an evict tail at 1280 on the cold file at 1152 (the benchmark's conversation): a hit
+    # at 1280 needs blocks 8 and 9; block 8 is in the parent's window already
+    assert window_held(1152, 1152) == 1152
+    assert window_blocks(1280, W, B, window_held(1152, 1152)) == (9, 1)
+    # a parent a whole window below: the file's window is its own blocks either way
+    assert window_blocks(1664, W, B, window_held(1280, 1280)) == (11, 2)
+    # a branch inside its parent (which ends at 1024, past the file's start at 512): the
+    # parent's window lies past the file's start, so the file keeps its whole window
+    assert window_held(512, 1024) == 0
+    assert window_blocks(640, W, B, window_held(512, 1024)) == (3, 2)
+    assert window_held(0, None) == 0  # a root
+
+
+def test_a_hit_at_a_clipped_file_takes_the_rest_of_its_window_from_the_parent():
+    chain = lookup((0, 1152, 1152), (1152, 1280, 1280))
+    files = window_files(chain.segments)
+    assert files == [(1152, 1152, 0), (1280, 1280, 1152)]
+    # block 8 from the parent's window, block 9 from the tail's own
+    assert window_sources(files, 1280, 0, W, B) == [(8, 9), (9, 10)]
+    assert trim_to_windows(chain, 0, [W], B) is chain
+    # the device holds blocks 0..8: only the tail is read
+    assert window_sources(files, 1280, 1152, W, B) == [(0, 0), (9, 10)]
+    # the parent's own position (a resent prompt, a regenerated reply) is its whole window
+    at_parent = chain.cut(1, Miss.WINDOW_NOT_STORED)
+    assert window_sources(window_files(at_parent.segments), 1152, 0, W, B) == [(7, 9)]
+    # three clipped files deep: every block of the window comes from the chain
+    deep = lookup((0, 1152, 1152), (1152, 1280, 1280), (1280, 1408, 1408))
+    assert window_sources(window_files(deep.segments), 1408, 0, W, B) == [
+        (0, 0),
+        (9, 10),
+        (10, 11),
+    ]
+    # a file that branches inside its parent was saved whole: nothing is asked of the parent
+    branch = lookup((0, 1024, 512), (512, 640, 640))
+    assert window_files(branch.segments)[1] == (640, 640, 0)
+    assert window_sources(window_files(branch.segments), 640, 0, W, B) == [(0, 0), (3, 5)]
