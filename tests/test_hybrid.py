@@ -2,6 +2,8 @@
 gives them, partial-file hits, and which KV cache groups are served or refused."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vllm_kvdisk.core.compat import GroupInfo, UnsupportedConfig, groups_signature, kv_groups
 from vllm_kvdisk.core.format import Group, GroupKind, Reason, window_blocks, window_held
@@ -213,3 +215,43 @@ def test_a_hit_at_a_clipped_file_takes_the_rest_of_its_window_from_the_parent():
     branch = lookup((0, 1024, 512), (512, 640, 640))
     assert window_files(branch.segments)[1] == (640, 640, 0)
     assert window_sources(window_files(branch.segments), 640, 0, W, B) == [(0, 0), (3, 5)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    window=st.integers(1, 5 * B),
+    shape=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 4)), min_size=1, max_size=6),
+    hit_back=st.integers(0, 8),
+)
+def test_every_chain_holds_each_files_window_and_is_asked_only_for_stored_blocks(
+    window, shape, hit_back
+):
+    """Any chain, each file saved by the rule (its window less what a parent ending where
+    it starts holds; a branch inside a longer parent keeps all): a hit at the last file's
+    end is always served, and any hit the planner serves reads from each file only blocks
+    that file stores, covering exactly the window before the hit."""
+    segments, start = [], 0
+    for owned, past in shape:  # the file owns `owned` blocks up to where the next leaves it
+        upto = start + owned * B
+        segments.append(Segment(entry(start, upto + past * B), upto))
+        start = upto
+    last = segments[-1]
+    segments[-1] = Segment(last.entry, last.entry.tokens)  # the chain's own last file, whole
+    stored = []  # per file: the blocks a save wrote, decided from its parent as it was saved
+    for i, s in enumerate(segments):
+        parent_end = segments[i - 1].entry.tokens if i else None
+        held = window_held(s.entry.parent_tokens, parent_end)
+        first, count = window_blocks(s.entry.tokens, window, B, held)
+        stored.append(set(range(first, first + count)))
+    end = segments[-1].entry.tokens
+    files = window_files(segments)
+    assert window_sources(files, end, 0, window, B) is not None
+    hit = max(B, end - hit_back * B)
+    part = Lookup(segments).cut_at(hit, Miss.WINDOW_NOT_STORED) if hit < end else None
+    chain = part.segments if part is not None else segments
+    found = window_sources(window_files(chain), hit, 0, window, B)
+    if found is not None:
+        read = [set(range(a, c)) for a, c in found]
+        for blocks, have in zip(read, stored):
+            assert blocks <= have
+        assert set().union(*read) == set(range(max(0, hit - window + 1) // B, hit // B))
