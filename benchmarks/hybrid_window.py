@@ -11,8 +11,11 @@ message) three ways, side by side in one run:
   every layer is stored at full length (what kvdisk did before it served hybrid models).
 
 Prints cached / warm (overall, and the first turn after the restart), disk bytes per
-cached token, the ratio on vs off, and the time to the first token of the last prompt
-restored from disk over a device-cache hit of it (median of 3, in the restarted engine).
+cached token, the ratio on vs off, the time to the first token of the last prompt
+restored from disk over a device-cache hit of it (median of 3, in the restarted engine),
+and where the pages of the hybrid manager's files go: full-attention and window pages, the
+window blocks each file stores, and the two floors (every checkpoint's end restorable: the
+union of their windows; only the deepest one's: its window alone).
 Run: ``python benchmarks/hybrid_window.py``
 (starts five engines; about a minute on two cores).
 """
@@ -29,6 +32,8 @@ import time
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+from vllm_kvdisk.core.format import GroupKind  # noqa: E402
+from vllm_kvdisk.storage.fileread import read_meta  # noqa: E402
 from vllm_kvdisk.testing.harness import engine, generate, random_prompt  # noqa: E402
 from vllm_kvdisk.testing.tinymodel import GEMMA3_WINDOW, build_tiny_model  # noqa: E402
 
@@ -63,6 +68,41 @@ def disk_bytes(kv: str) -> int:
     return sum(os.path.getsize(p) for p in glob.glob(os.path.join(kv, "*", "*.kv")))
 
 
+def breakdown(kv: str) -> str:
+    """Pages per group kind over every file, the window blocks per file (one window
+    group's), and the window pages the two floors need."""
+    metas = []
+    for path in glob.glob(os.path.join(kv, "*", "*.kv")):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            metas.append(read_meta(fd, os.fstat(fd).st_size))
+        finally:
+            os.close(fd)
+    metas.sort(key=lambda m: m.header.tokens)
+    full = window = 0
+    per_file, union = [], set()
+    for m in metas:
+        wins = [g for g in m.payload.groups if g.kind == GroupKind.WINDOW]
+        full += sum(g.layers * g.num_blocks for g in m.payload.groups if g.kind == GroupKind.FULL)
+        window += sum(g.layers * g.num_blocks for g in wins)
+        if wins:
+            per_file.append(wins[0].num_blocks)
+            bs, tokens = m.payload.layout.block_size, m.header.tokens
+            first = max(0, tokens - wins[0].window + 1) // bs
+            union |= set(range(first, tokens // bs))
+    last = metas[-1]
+    layers = sum(g.layers for g in last.payload.groups if g.kind == GroupKind.WINDOW)
+    bs, tokens = last.payload.layout.block_size, last.header.tokens
+    deepest = tokens // bs - max(0, tokens - GEMMA3_WINDOW + 1) // bs
+    return (
+        f"{len(metas)} files (tokens {' '.join(str(m.header.tokens) for m in metas)}); pages: "
+        f"full-attention {full}, window {window} (blocks per file of a window group: "
+        f"{' '.join(map(str, per_file))}); window pages every checkpoint's end needs (the "
+        f"union of their windows): {len(union) * layers}; the deepest end's alone: "
+        f"{deepest * layers}"
+    )
+
+
 def ttft(llm, prompt: list[int]) -> float:
     started = time.perf_counter()
     generate(llm, prompt, max_tokens=1)
@@ -92,6 +132,8 @@ def run_disk(model: str, kv: str, hma: bool) -> tuple[list, int, int, float]:
     reply, cached, ratios = restarted(model, kv, args, turns[-1][0])
     if reply != turns[-1][1]:
         raise SystemExit("the restarted engine's reply differs: not exact")
+    if hma:
+        print("hybrid manager on:", breakdown(kv))
     return turns, cached, disk_bytes(kv), statistics.median(ratios)
 
 
@@ -131,8 +173,9 @@ def main() -> int:
     on, off = rows[True][2] / max(1, rows[True][1]), rows[False][2] / max(1, rows[False][1])
     print(
         f"disk bytes per cached token, window groups at window length / every layer at full "
-        f"length: {on / off:.2f} (1 of 3 layers is full attention: {1 / 3:.2f} plus a "
-        f"window per checkpoint; prompt covered {covered} tokens)"
+        f"length: {on / off:.2f} (1 of 3 layers is full attention: {1 / 3:.2f} plus the "
+        f"window blocks of each checkpoint the one below it does not hold; prompt covered "
+        f"{covered} tokens)"
     )
     return 0
 

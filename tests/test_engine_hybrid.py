@@ -92,6 +92,46 @@ def test_sliding_window_model_restores_exactly(gemma3_model, tmp_path):
     assert len(set(reference[0])) > 4  # the model is not stuck on one token
 
 
+def test_a_tail_on_the_file_below_it_stores_only_its_new_window_block(gemma3_model, tmp_path):
+    """Each checkpoint one block past the one below it (the test grid's 1152, the cold
+    tail at 1280, the evict tail at 1408 after the reply crossed a block) stores only the
+    window block its parent's window does not hold. A restarted engine restores exactly at
+    the deepest (its window's first block from the file below) and at the cold tail's
+    own end (the same prompt again: a regenerated reply, a branch at an ancestor's end)."""
+    kv = str(tmp_path / "kv")
+    a = random_prompt(1400, seed=11)  # cold at 1152 (grid) and block_floor(1399) = 1280
+    with engine(gemma3_model, None, prefix_caching=False) as llm:
+        ref_a = generate(llm, a, max_tokens=24)[0]  # 1423 computed: evict tail at 1408
+        b = a + ref_a + random_prompt(100, seed=12)
+        ref_b = generate(llm, b, max_tokens=24)[0]
+    with engine(gemma3_model, kv) as llm:
+        assert generate(llm, a, max_tokens=24)[0] == ref_a
+        reset(llm)  # steps the engine: the evict tail's pages are copied in the next step
+    on_disk = files(kv)
+    assert sorted(on_disk) == [1152, 1280, 1408]
+    # a hit at P attends to blocks P/128 - 2 and P/128 - 1; the first is the parent's
+    windows = {
+        tokens: [(g.first_block, g.num_blocks) for g in meta.payload.groups]
+        for tokens, meta in on_disk.items()
+    }
+    assert windows == {
+        1152: [(7, 2), (7, 2), (0, 9)],  # a root: its whole window
+        1280: [(9, 1), (9, 1), (9, 1)],
+        1408: [(10, 1), (10, 1), (10, 1)],
+    }
+    assert [g.kind for g in on_disk[1408].payload.groups] == [
+        GroupKind.WINDOW,
+        GroupKind.WINDOW,
+        GroupKind.FULL,
+    ]
+    with engine(gemma3_model, kv) as llm:  # restarted: the disk only
+        out_b = generate(llm, b, max_tokens=24)
+        reset(llm)
+        out_a = generate(llm, a, max_tokens=24)
+    assert out_b == (ref_b, 1408)
+    assert out_a == (ref_a, 1280)
+
+
 def test_window_pages_restored_are_byte_identical(gemma3_model, tmp_path):
     """Every page a restore writes into a window or full group's blocks equals the page the
     engine computed for the same tokens (the cache is filled with garbage in between, so

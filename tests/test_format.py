@@ -36,16 +36,17 @@ LAYOUT = PageLayout("cpu:LBHNC", 4, 2, (1, 4, 2), "float32")
 
 
 # A hybrid file: layer 0 full attention (the owned block), layer 1 a sliding window of 6
-# tokens (a hit at 8 needs tokens 3..7: blocks 0 and 1, whatever the parent).
+# tokens (a hit at 8 needs tokens 3..7: blocks 0 and 1; block 0 only if the parent, which
+# then ends at 4, does not hold it: ``held``).
 HYBRID = (Group(GroupKind.FULL, 1), Group(GroupKind.WINDOW, 1, window=6))
 
 
-def golden_checkpoint(delta: bool, hybrid: bool = False) -> bytes:
+def golden_checkpoint(delta: bool, hybrid: bool = False, held: bool = False) -> bytes:
     """A tiny, fully deterministic checkpoint; its bytes are pinned in tests/golden/."""
     tokens = np.arange(8 if delta else 4, dtype="<u4")
     first = 1 if delta else 0
     nb = 1
-    per_layer = [nb, 2 if hybrid else nb]
+    per_layer = [nb, 1 if held else 2 if hybrid else nb]
     layers = [np.full((per_layer[i], 1, 4, 2), i + 0.5, dtype="<f4").tobytes() for i in range(2)]
     payload = Payload(
         bytes(range(32)),
@@ -67,20 +68,22 @@ def golden_checkpoint(delta: bool, hybrid: bool = False) -> bytes:
         context_size=8192,
         now=1_700_000_000,
         tool_map=[("call_1", '{"a": 1}')] if delta else (),
+        window_held=4 if held else 0,
     )
     return b"".join(bytes(b) for b in enc.buffers)
 
 
 @pytest.mark.parametrize(
-    "name,delta,hybrid",
+    "name,delta,hybrid,held",
     [
-        ("v2_root.kv", False, False),
-        ("v2_delta_ktm.kv", True, False),
-        ("v2_hybrid_delta_ktm.kv", True, True),
+        ("v2_root.kv", False, False, False),
+        ("v2_delta_ktm.kv", True, False, False),
+        ("v2_hybrid_delta_ktm.kv", True, True, False),
+        ("v2_hybrid_held_delta_ktm.kv", True, True, True),
     ],
 )
-def test_golden_files_pin_the_layout(name, delta, hybrid):
-    assert golden_checkpoint(delta, hybrid) == (GOLDEN / name).read_bytes()
+def test_golden_files_pin_the_layout(name, delta, hybrid, held):
+    assert golden_checkpoint(delta, hybrid, held) == (GOLDEN / name).read_bytes()
 
 
 @pytest.mark.parametrize("name", ["v1_root.kv", "v1_delta_ktm.kv"])
@@ -109,6 +112,34 @@ def test_golden_group_table_by_offset(tmp_path):
     window = bytearray(2 * page)
     read_layer_into(write(tmp_path, raw), meta, 1, memoryview(window))
     assert bytes(window) == np.full((2, 1, 4, 2), 1.5, dtype="<f4").tobytes()
+
+
+def test_a_window_group_may_leave_the_blocks_below_its_parent_to_it(tmp_path):
+    """A delta on a parent that ends where it starts stores its window from parent_tokens
+    on (block 1 of the window 0..1): read back as that range, its one page intact; the
+    encoder refuses any other part left out."""
+    raw = (GOLDEN / "v2_hybrid_held_delta_ktm.kv").read_bytes()
+    meta = read_meta(write(tmp_path, raw), len(raw))
+    assert meta.payload.groups == (
+        Group(GroupKind.FULL, 1, 0, 1, 1),
+        Group(GroupKind.WINDOW, 1, 6, 1, 1),
+    )
+    window = bytearray(LAYOUT.page_bytes)
+    read_layer_into(write(tmp_path, raw), meta, 1, memoryview(window))
+    assert bytes(window) == np.full((1, 1, 4, 2), 1.5, dtype="<f4").tobytes()
+    assert len(raw) < len((GOLDEN / "v2_hybrid_delta_ktm.kv").read_bytes())
+    with pytest.raises(FormatError, match="window groups held below 8"):
+        encode_checkpoint(
+            text=b"x" * 8,
+            tokens=np.arange(8, dtype="<u4").tobytes(),
+            layers=[bytes(LAYOUT.page_bytes)] * 2,
+            payload=Payload(bytes(32), "ab" * 20, 4, 1, 1, LAYOUT, 0, groups=HYBRID),
+            reason=Reason.COLD,
+            kv_dtype="float32",
+            context_size=8192,
+            now=0,
+            window_held=8,
+        )
 
 
 def test_group_ranges_are_checked(tmp_path):

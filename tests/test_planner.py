@@ -1,5 +1,6 @@
 """Save planning: where a save's parent is, so every block of a conversation is written once."""
 
+import numpy as np
 from synth import BLOCK, Disk, ids_of, prompt_of
 
 from vllm_kvdisk.core.format import Reason
@@ -52,3 +53,22 @@ def test_a_second_conversation_writes_only_where_it_differs():
     owned = grow(planner, d, second, (1200,), grid)
     shared = 700 - 700 % BLOCK
     assert sum(owned) == grid.block_floor(1200) - shared
+
+
+def test_a_save_leaves_the_window_to_a_parent_that_ends_where_it_starts():
+    """A delta on a parent that ends at its parent_tokens leaves the window blocks below
+    them to the parent's chain (``window_held``); a branch inside a parent cannot (the
+    parent's window lies past the branch point), nor a root."""
+    d = Disk()
+    planner = Planner(d.index, BLOCK, d.read)
+    ids = ids_of(3, 400)
+    prompt = prompt_of(ids % 262)
+    root = planner.plan_save("n", prompt, 128, Reason.COLD)
+    assert root.parent is None and root.window_held == 0
+    d.add(root.sha1, prompt.ids, 128)
+    tail = planner.plan_save("n", prompt, 160, Reason.EVICT)
+    assert (tail.parent, tail.parent_tokens, tail.window_held) == (root.sha1, 128, 128)
+    # another conversation shares the root's first 64 tokens only: a branch inside it
+    other = prompt_of(np.concatenate([ids[:64], ids_of(4, 200)]) % 262)
+    branch = planner.plan_save("n", other, 160, Reason.COLD)
+    assert (branch.parent, branch.parent_tokens, branch.window_held) == (root.sha1, 64, 0)

@@ -2,11 +2,12 @@
 
 A full-attention group's blocks are the file's own, ``[parent_tokens, tokens)``; a
 sliding-window group's are only the window a hit at the file's end needs
-(``format.window_blocks``), whatever the parent; a state group's is one block, the state
-after the file's last token: a save takes it from the block vLLM handed over for that
-boundary (``states``), a load puts the last file's into the request's block of the hit
-(``format.state_block``). vLLM's null block stands where a window has moved on: a load
-never fills it, and a save whose window is partly gone is not made.
+(``format.window_blocks``), less what its parent's chain holds (``format.window_held``);
+a state group's is one block, the state after the file's last token: a save takes it
+from the block vLLM handed over for that boundary (``states``), a load puts the last
+file's into the request's block of the hit (``format.state_block``). vLLM's null block
+stands where a window has moved on: a load never fills it, and a save whose window is
+partly gone is not made.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from vllm_kvdisk.connector.jobs import LoadJob
 from vllm_kvdisk.core.format import Group, GroupKind, is_hybrid, state_block, window_blocks
-from vllm_kvdisk.core.planner import window_sources
+from vllm_kvdisk.core.planner import window_files, window_sources
 
 
 class GroupBlocks:
@@ -42,7 +43,7 @@ class GroupBlocks:
         if len(all_ids) != len(self.groups):
             raise ValueError(f"{len(all_ids)} block tables for {len(self.groups)} KV cache groups")
         job.groups = [list(ids[start:end]) for ids in all_ids]
-        files = [(s.entry.tokens, s.upto) for s in segments]
+        files = window_files(segments)
         per_group = []
         for group, ids in zip(self.groups, job.groups):
             if group.kind == GroupKind.STATE:  # the state at the hit: the last file's
@@ -75,11 +76,13 @@ class GroupBlocks:
         parent_tokens: int,
         length: int,
         states: dict[int, int] | None = None,
+        window_held: int = 0,
     ) -> list[list[int]] | None:
         """Per group, the engine blocks a file ``[parent_tokens, length)`` stores, or None
         when vLLM has already freed part of a window, or holds no state at ``length``
         (its save cannot be made). ``states``: per state group's index, the block vLLM
-        handed over with the state after ``length`` tokens."""
+        handed over with the state after ``length`` tokens; ``window_held``: the window
+        part left to the parent's chain (``format.window_held``)."""
         bs, out = self.block_size, []
         for g, (group, ids) in enumerate(zip(self.groups, group_ids)):
             if group.kind == GroupKind.STATE:
@@ -89,7 +92,7 @@ class GroupBlocks:
                 out.append([block])
                 continue
             if group.kind == GroupKind.WINDOW:
-                first, count = window_blocks(length, group.window, bs)
+                first, count = window_blocks(length, group.window, bs, window_held)
             else:
                 first, count = parent_tokens // bs, (length - parent_tokens) // bs
             part = list(ids[first : first + count])

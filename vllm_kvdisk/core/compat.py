@@ -254,7 +254,10 @@ def kv_groups(groups: list[GroupInfo]) -> tuple[Group, ...]:
 def groups_signature(groups: tuple[Group, ...], states: tuple[str, ...] = ()) -> str:
     """The groups' part of the namespace layout ('' for one full-attention group, so such
     an engine's layout string is the one it always had). ``states``: per state group, its
-    state tensors' shapes and dtypes (``state_signature``)."""
+    state tensors' shapes and dtypes (``state_signature``). A window group is ``wd``: its
+    files leave the window blocks their parent's chain holds to it (``format.window_held``),
+    which a build from before reads as corrupt; ``w`` (files that always store their whole
+    window) was that build's, so the two never share a namespace."""
     if len(groups) == 1 and groups[0].kind == GroupKind.FULL:
         return ""
     if len(states) != sum(g.kind == GroupKind.STATE for g in groups):
@@ -263,7 +266,7 @@ def groups_signature(groups: tuple[Group, ...], states: tuple[str, ...] = ()) ->
     parts = []
     for g in groups:
         if g.kind == GroupKind.WINDOW:
-            parts.append(f"w{g.window}x{g.layers}")
+            parts.append(f"wd{g.window}x{g.layers}")
         elif g.kind == GroupKind.STATE:
             parts.append(f"s{g.layers}[{next(state)}]")
         else:

@@ -84,9 +84,12 @@ def encode_checkpoint(
     now: int,
     tool_map: Sequence[tuple[str, str]] = (),
     compress: bool = False,
+    window_held: int = 0,
 ) -> Encoded:
     """Lay out one checkpoint. ``tokens`` is the u32 LE token ids of the whole prefix;
-    ``compress``: pages in compressed chunks (payload version 4, ``codec``)."""
+    ``compress``: pages in compressed chunks (payload version 4, ``codec``);
+    ``window_held``: what the window groups leave to the parent's chain
+    (``format.window_held``)."""
     lay = payload.layout
     lay.validate()
     n_tokens = len(tokens) // 4
@@ -105,7 +108,11 @@ def encode_checkpoint(
             f"{len(groups)} groups of {[g.layers for g in groups]} layers "
             f"for {lay.num_layers} layers"
         )
-    groups = tuple(g.placed(payload.parent_tokens, n_tokens, lay.block_size) for g in groups)
+    if window_held not in (0, payload.parent_tokens):
+        raise FormatError(f"window groups held below {window_held}, not 0 or the parent's share")
+    groups = tuple(
+        g.placed(payload.parent_tokens, n_tokens, lay.block_size, window_held) for g in groups
+    )
     payload = replace(
         payload,
         groups=groups,
@@ -219,4 +226,5 @@ def encode_plan(
         now=now,
         tool_map=tool_map,
         compress=compress,
+        window_held=plan.window_held,
     )

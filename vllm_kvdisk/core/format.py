@@ -11,8 +11,9 @@ Invariants:
   straight into its destination blocks).
 * Layers come in KV cache groups (format v2): a full-attention group's layers hold the
   blocks the file owns, ``[parent_tokens, tokens)``; a sliding-window group's layers hold
-  the window a hit at ``tokens`` needs, ``window_blocks(tokens, window, block)``, whatever
-  the parent; a state group's layers (Mamba / Gated-DeltaNet) hold one block, the state
+  the window a hit at ``tokens`` needs, ``window_blocks(tokens, window, block)``, less the
+  blocks below ``parent_tokens`` when the parent ends there (its chain holds those:
+  ``window_held``); a state group's layers (Mamba / Gated-DeltaNet) hold one block, the state
   after exactly ``tokens`` tokens. Every group's range is checked against that rule when a
   file is read. Files with a state group carry payload version 3, so a build that knows
   only version 2 leaves them alone (unsupported) instead of calling them corrupt.
@@ -217,12 +218,23 @@ def state_block(tokens: int, block_size: int) -> int:
     return tokens // block_size - 1
 
 
-def window_blocks(tokens: int, window: int, block_size: int) -> tuple[int, int]:
-    """``(first block, block count)`` a sliding-window group needs for a hit at ``tokens``:
+def window_blocks(tokens: int, window: int, block_size: int, held: int = 0) -> tuple[int, int]:
+    """``(first block, block count)`` a sliding-window group stores for a hit at ``tokens``:
     vLLM frees the blocks before token ``tokens - window + 1`` (its skipped tokens) and
-    attends to the rest."""
-    first = max(0, tokens - window + 1) // block_size
+    attends to the rest. ``held``: the tokens below which the chain under the file holds
+    every window block already (``window_held``), so the file stores only the blocks from
+    there."""
+    first = max(max(0, tokens - window + 1) // block_size, held // block_size)
     return first, tokens // block_size - first
+
+
+def window_held(parent_tokens: int, parent_end: int | None) -> int:
+    """What a delta's window groups leave to its parent's chain: everything below
+    ``parent_tokens`` when the parent ends there (that chain holds the window before the
+    parent's end, which covers the part of this file's window below ``parent_tokens``),
+    nothing when the parent ends later (a branch inside it: its window lies past this
+    file's start) or there is none. ``parent_end``: the parent's token count."""
+    return parent_tokens if parent_tokens and parent_end == parent_tokens else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,10 +248,11 @@ class Group:
     first_block: int = 0
     num_blocks: int = 0
 
-    def placed(self, parent_tokens: int, tokens: int, block_size: int) -> Group:
-        """This group with the block range a file ``[parent_tokens, tokens)`` holds."""
+    def placed(self, parent_tokens: int, tokens: int, block_size: int, held: int = 0) -> Group:
+        """This group with the block range a file ``[parent_tokens, tokens)`` holds
+        (``held``: a window group's part left to the parent's chain, ``window_held``)."""
         if self.kind == GroupKind.WINDOW:
-            first, count = window_blocks(tokens, self.window, block_size)
+            first, count = window_blocks(tokens, self.window, block_size, held)
         elif self.kind == GroupKind.STATE:
             first, count = state_block(tokens, block_size), 1
         else:
@@ -484,7 +497,14 @@ def unpack_groups(buf: bytes, payload: Payload, tokens: int) -> Payload:
         if (kind == GroupKind.WINDOW) != (window > 0) or window > MAX_TOKENS:
             raise FormatError(f"group {i}: window {window} does not fit its kind")
         group = Group(GroupKind(kind), layers, window, first, blocks)
-        if group != group.placed(payload.parent_tokens, tokens, lay.block_size):
+        # A window group holds its whole window or, on a parent that ends where the file
+        # starts, the part from parent_tokens on: the file cannot tell which its parent
+        # is, so both are sound here (a load asks only for blocks inside the range).
+        held = payload.parent_tokens if kind == GroupKind.WINDOW else 0
+        if group not in (
+            group.placed(payload.parent_tokens, tokens, lay.block_size),
+            group.placed(payload.parent_tokens, tokens, lay.block_size, held),
+        ):
             raise FormatError(
                 f"group {i}: blocks {first}+{blocks} are not the ones its kind holds for this file"
             )

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_kvdisk.core.entry import Entry, head_digest
-from vllm_kvdisk.core.format import Reason
-from vllm_kvdisk.core.index import IdsReader, Index, Lookup, Miss
+from vllm_kvdisk.core.format import Reason, window_blocks, window_held
+from vllm_kvdisk.core.index import IdsReader, Index, Lookup, Miss, Segment
 from vllm_kvdisk.core.keys import as_token_array, token_digest
 from vllm_kvdisk.core.tokens import TokenTable
 
@@ -64,6 +64,8 @@ class SavePlan:
     parent: str | None
     parent_tokens: int
     reason: Reason
+    # What its window groups leave to the parent's chain (``format.window_held``)
+    window_held: int = 0
 
 
 class Planner:
@@ -91,7 +93,9 @@ class Planner:
         checkpoint on disk or in flight that holds a prefix of it (possibly up to the
         middle of that file), whatever position that one was saved at (a grid point or a
         tail); None when that checkpoint already covers ``length``. So every block of a
-        conversation is written once: a conversation's chain is every position it saved."""
+        conversation is written once: a conversation's chain is every position it saved
+        (and, on a parent that ends where it starts, every sliding-window block too:
+        ``window_held``)."""
         if length < self.min_tokens or length % self.block_size or length > len(prompt.ids):
             return None
         below = self.index.lookup(
@@ -107,6 +111,7 @@ class Planner:
             top.entry.sha1 if top else None,
             top.upto if top else 0,
             reason,
+            window_held(top.upto, top.entry.tokens) if top else 0,
         )
 
     def reserve(self, plan: SavePlan, prompt: Prompt, now: int) -> bool:
@@ -131,17 +136,30 @@ class Planner:
         )
 
 
+def window_files(segments: Sequence[Segment]) -> list[tuple[int, int, int]]:
+    """``(tokens, upto, held)`` of each file of a chain, for :func:`window_sources`: a file
+    whose parent (the segment before it) ends where the file starts stored its windows
+    only from there (``format.window_held``), as its save decided from the same parent."""
+    out, parent_end = [], None
+    for s in segments:
+        e = s.entry
+        out.append((e.tokens, s.upto, window_held(e.parent_tokens, parent_end)))
+        parent_end = e.tokens
+    return out
+
+
 def window_sources(
-    files: Sequence[tuple[int, int]], hit: int, local: int, window: int, block_size: int
+    files: Sequence[tuple[int, int, int]], hit: int, local: int, window: int, block_size: int
 ) -> list[tuple[int, int]] | None:
     """Where the pages of one sliding-window group come from for a hit at ``hit``.
 
-    ``files``: ``(tokens, upto)`` of each file of the chain, in order (a file's window
-    group holds the window before its own end, ``window_blocks(tokens)``, valid for this
-    prompt below ``upto``). The hit needs the blocks ``[skip(hit), hit)`` (vLLM's skipped
-    tokens ``hit - window + 1``) that are not held locally (below ``local``). Returns, per
-    file, the request blocks ``[a, c)`` read from it (the deepest file that holds a block
-    gives it), or None when a needed block is in no file: such a hit cannot be served."""
+    ``files``: ``(tokens, upto, held)`` of each file of the chain, in order
+    (:func:`window_files`: a file's window group holds the window before its own end from
+    ``held`` on, ``window_blocks(tokens, window, block, held)``, valid for this prompt
+    below ``upto``). The hit needs the blocks ``[skip(hit), hit)`` (vLLM's skipped tokens
+    ``hit - window + 1``) that are not held locally (below ``local``). Returns, per file,
+    the request blocks ``[a, c)`` read from it (the deepest file that holds a block gives
+    it), or None when a needed block is in no file: such a hit cannot be served."""
     bs = block_size
     need_first = max(max(0, hit - window + 1) // bs, local // bs)
     hi = hit // bs
@@ -149,8 +167,8 @@ def window_sources(
     for i in range(len(files) - 1, -1, -1):
         if hi <= need_first:
             break
-        tokens, upto = files[i]
-        first = max(0, tokens - window + 1) // bs
+        tokens, upto, held = files[i]
+        first = window_blocks(tokens, window, bs, held)[0]
         a, c = max(first, need_first), min(upto, hit) // bs
         if c < hi or a >= c:
             return None
@@ -161,15 +179,16 @@ def window_sources(
 
 def trim_to_windows(lookup: Lookup, local: int, windows: Sequence[int], block_size: int) -> Lookup:
     """The deepest part of ``lookup`` whose sliding windows are all stored (or held
-    locally): a file used whole always is; a prompt that leaves a file in its middle is
-    served there only if the window before that point is on disk (in that file's own
-    window, or a parent's just below it); otherwise the hit steps back, block by block."""
+    locally): a file used whole always is (from its own pages and its parents'); a prompt
+    that leaves a file in its middle is served there only if the window before that point
+    is on disk (in that file's own window, or its parents' just below it); otherwise the
+    hit steps back, block by block."""
     if not windows or lookup.tokens <= local:  # nothing to load: nothing to trim
         return lookup
     bs = block_size
     for hit in range(lookup.tokens, local, -bs):
         part = lookup if hit == lookup.tokens else lookup.cut_at(hit, Miss.WINDOW_NOT_STORED)
-        files = [(s.entry.tokens, s.upto) for s in part.segments]
+        files = window_files(part.segments)
         if all(window_sources(files, hit, local, w, bs) is not None for w in windows):
             return part
     return lookup.cut(0, Miss.WINDOW_NOT_STORED)
