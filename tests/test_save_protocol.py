@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
+from concurrent.futures import wait
 
 import numpy as np
 import pytest
@@ -209,3 +210,34 @@ def test_a_held_request_is_released_however_many_steps_its_copy_took(side):
     w.drain()
     assert w.get_finished(set()) == ({"slow"}, None)
     assert w.get_finished(set()) == (None, None)
+
+
+def test_a_save_that_cannot_start_is_reported_and_the_steps_other_saves_go_on(side):
+    """A fault starting one save's copy (here the event after the forward cannot be
+    recorded) gave up the whole step inside ``wait_for_save``'s guard: the save was left
+    counted as copying (its finished request never named in finished_sending: blocks
+    leaked, the engine stepping for good), its reservation never reported (the scheduler's
+    index pending for good), and the step's later saves never started nor confirmed."""
+    w, layers = side()
+    mark = w.mover.mark
+    calls = []
+
+    def broken_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return mark()
+
+    w.mover.mark = broken_once
+    first, second = job("a", [1, 2], seed=11), job("b", [3, 4], seed=12)
+    w.wait_for_save(StepMeta(saves=[first, second], holds=["a", "b"]))
+    with w._lock:
+        pending = [done for done, _ in w._inflight.values()]
+    _, stuck = wait(pending, timeout=WAIT)
+    assert not stuck  # (a save never ended left every later delta of it waiting, too)
+    report = w.build_connector_worker_meta()
+    assert report is not None
+    assert sorted(report.copied) == ["a", "b"]  # each job confirmed once: holds can end
+    assert (first.plan.ns, first.plan.sha1) in report.failed_saves  # its reservation goes
+    assert [e.sha1 for e in report.written] == [second.plan.sha1]
+    assert w.get_finished(set()) == ({"a", "b"}, None)

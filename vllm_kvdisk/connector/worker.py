@@ -219,9 +219,18 @@ class WorkerSide:
         self._step_computed()
         self._held.update(meta.holds)
         for job in meta.saves:
-            if self.placement.shard.writer:
+            if not self.placement.shard.writer:  # another rank holds and writes these pages
+                self._confirm_copy(job.req_id)
+                continue
+            try:
                 self._start_copy(job)
-            else:  # another rank holds and writes these pages
+            except Exception as exc:  # noqa: BLE001 - this save alone is lost
+                # Nothing of it was counted yet (``_start_copy``): it is reported failed
+                # and confirmed, so its reservation and its request's hold end, and the
+                # step's other saves still start.
+                self.stats.count("errors", "wait_for_save")
+                log.exception("kvdisk: starting the save %s failed", job.plan.sha1)
+                self._save_failed(job, str(exc))
                 self._confirm_copy(job.req_id)
 
     @guarded("handle_preemptions", lambda: None)
@@ -238,12 +247,12 @@ class WorkerSide:
                 self._copy_ended.wait_for(lambda: not self._copying.keys() & set(meta.flush))
 
     def _start_copy(self, job: SaveJob) -> None:
+        """Hand one save to the copy thread. What may raise comes before anything is
+        counted (staging, copies running, saves in flight): a save that raises here was
+        never started."""
         mover = self._mover()
-        if mover is None:
-            self._save_failed(job, "KV caches not registered")
-            self._confirm_copy(job.req_id)
-            return
         nbytes = sum(len(ids) for ids in self._layer_ids(job)) * mover.page_bytes
+        after = mover.mark()  # on a GPU: an event after this step's forward
         with self._lock:
             staged = self._staged
             busy = staged + nbytes > self._staging_cap
@@ -264,7 +273,6 @@ class WorkerSide:
             )
             self._confirm_copy(job.req_id)
             return
-        after = mover.mark()  # on a GPU: an event after this step's forward
         try:
             self._copier.submit(self._copy, job, nbytes, after, parent[0] if parent else None, done)
         except RuntimeError:  # shutting down
