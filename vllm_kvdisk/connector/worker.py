@@ -178,7 +178,7 @@ class WorkerSide:
 
     def _on_drop(self, entry: Entry, why: str) -> None:
         with self._lock:
-            self._report.removed.append((entry.ns, entry.sha1))
+            self._report.removed.append((entry.ns, entry.sha1, entry.inode))
         self.trace.dropped(entry.sha1, entry.tokens, entry.size, why)
 
     def _mover(self) -> PageMover:
@@ -198,7 +198,7 @@ class WorkerSide:
     def _on_evict(self, entry: Entry) -> None:
         self.stats.add("evictions")
         with self._lock:
-            self._report.removed.append((entry.ns, entry.sha1))
+            self._report.removed.append((entry.ns, entry.sha1, entry.inode))
         self.trace.evicted(entry.sha1, entry.tokens, entry.size)
 
     # -- loads (connector/loading.py) ---------------------------------------------------
