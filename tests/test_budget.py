@@ -164,3 +164,26 @@ def test_parent_is_kept_while_children_exist(tmp_path):
     evicted = store.evict(1)
     assert [e.sha1 for e in evicted] == [child.sha1]
     assert store.index.get(ns, root.sha1) is not None
+
+
+def test_a_save_whose_victims_never_check_out_evicts_nothing(tmp_path, monkeypatch):
+    """Each eviction victim is stat'ed before it goes; one that is not the file its entry
+    says (another replica saved, hit or replaced it meanwhile) makes the plan be made
+    again. When every plan failed its check, even after a listing, the last unchecked one
+    was carried out: files deleted on a view the disk had just contradicted (maybe one
+    another replica had just written, with its children, or its lines journaled with
+    the old inode), and the save landed over the budget's decision."""
+    now = [0.0]
+    store, ns = make(tmp_path, clock=lambda: now[0])
+    rng = np.random.default_rng(0)
+    plan_a, _ = save(store, ns, prompt(1), 48, rng)
+    store.space_bytes = int(store.index.get(ns, plan_a.sha1).size * 1.5)
+    checks = []
+    monkeypatch.setattr(store.scanner, "verify_victims", lambda plan: checks.append(plan) and False)
+    now[0] = 10
+    with pytest.raises(SaveSkipped, match="no_space"):
+        save(store, ns, prompt(2), 48, rng)  # A must go for it: its check never passes
+    assert checks  # the plans were made (and checked)
+    assert os.path.exists(store.path(ns, plan_a.sha1))  # nothing evicted unchecked
+    assert {e.sha1 for e in store.index.entries()} == {plan_a.sha1}
+    assert store.stats.evicted == 0

@@ -11,17 +11,28 @@ held at a gate (a delaying mover) and a store whose writes are held at another.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import threading
+from concurrent.futures import wait
 
 import numpy as np
 import pytest
 import torch
-from workers import BLOCK, make_worker, save_job
+from workers import BLOCK, fingerprint, make_worker, save_job
+from workers import save as save_now
 
-from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, SaveJob, Scope, StepMeta
+from vllm_kvdisk.connector.jobs import (
+    LoadFile,
+    LoadJob,
+    SaveJob,
+    Scope,
+    StepMeta,
+    WorkerReport,
+)
 from vllm_kvdisk.connector.worker import WorkerSide
+from vllm_kvdisk.core.compat import Placement, Shard
 
 BLOCKS = 32
 IDS = np.arange(7_000, 7_000 + BLOCKS * BLOCK, dtype="<u4")
@@ -209,3 +220,122 @@ def test_a_held_request_is_released_however_many_steps_its_copy_took(side):
     w.drain()
     assert w.get_finished(set()) == ({"slow"}, None)
     assert w.get_finished(set()) == (None, None)
+
+
+def test_a_save_that_cannot_start_is_reported_and_the_steps_other_saves_go_on(side):
+    """A fault starting one save's copy (here the event after the forward cannot be
+    recorded) gave up the whole step inside ``wait_for_save``'s guard: the save was left
+    counted as copying (its finished request never named in finished_sending: blocks
+    leaked, the engine stepping for good), its reservation never reported (the scheduler's
+    index pending for good), and the step's later saves never started nor confirmed."""
+    w, layers = side()
+    mark = w.mover.mark
+    calls = []
+
+    def broken_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return mark()
+
+    w.mover.mark = broken_once
+    first, second = job("a", [1, 2], seed=11), job("b", [3, 4], seed=12)
+    w.wait_for_save(StepMeta(saves=[first, second], holds=["a", "b"]))
+    with w._lock:
+        pending = [done for done, _ in w._inflight.values()]
+    _, stuck = wait(pending, timeout=WAIT)
+    assert not stuck  # (a save never ended left every later delta of it waiting, too)
+    report = w.build_connector_worker_meta()
+    assert report is not None
+    assert sorted(report.copied) == ["a", "b"]  # each job confirmed once: holds can end
+    assert (first.plan.ns, first.plan.sha1) in report.failed_saves  # its reservation goes
+    assert [e.sha1 for e in report.written] == [second.plan.sha1]
+    assert w.get_finished(set()) == ({"a", "b"}, None)
+
+
+def test_one_text_saved_in_two_namespaces_at_once_keeps_each_deltas_parent(side):
+    """Two tenants (cache salts) with one system prompt save files of one name, each in
+    its own namespace, at once. The saves in flight were known by name alone: the second
+    took the first's place, the first's end then dropped the second's, and the second's
+    delta no longer waited for its parent's write: it was skipped (``parent_gone``) while
+    that parent was still being written, and the tenant's conversation stayed uncached."""
+    w, _ = side(kv_disk_io_threads=2)
+    ns_a, ns_b = w.namespaces.name("", "a" * 16), w.namespaces.name("", "b" * 16)
+    text = b"system prompt " * 8  # the same rendered text: one file name
+    roots = [
+        dataclasses.replace(save_job(IDS, [1, 2], text=text, req=r, ns=ns), scope=Scope("", s))
+        for r, ns, s in (("a", ns_a, "a" * 16), ("b", ns_b, "b" * 16))
+    ]
+    root = roots[0].plan.sha1
+    child = dataclasses.replace(
+        save_job(IDS, [3], start=2 * BLOCK, parent=root, text=text + b"more", req="b", ns=ns_b),
+        scope=Scope("", "b" * 16),
+    )
+    write, gate = w.store.write, threading.Event()
+
+    def held_for_b(ns, sha1, *args, **kwargs):
+        if ns == ns_b and sha1 == root and not gate.wait(WAIT):
+            raise TimeoutError("the test never opened the gate")
+        return write(ns, sha1, *args, **kwargs)
+
+    w.store.write = held_for_b
+    w.wait_for_save(StepMeta(saves=roots))
+    written: list[str] = []
+    for _ in range(WAIT * 10):  # until tenant a's root landed (b's waits at the gate)
+        report = w.build_connector_worker_meta()
+        written += [e.ns for e in report.written] if report else []
+        if ns_a in written:
+            break
+        threading.Event().wait(0.1)
+    assert written == [ns_a]
+    w.wait_for_save(StepMeta(saves=[child]))  # the next step: b's delta on b's root
+    threading.Timer(0.5, gate.set).start()
+    w.drain()
+    report = w.build_connector_worker_meta()
+    assert report is not None and not report.failed_saves
+    assert sorted((e.ns, e.sha1) for e in report.written) == sorted(
+        [(ns_b, root), (ns_b, child.plan.sha1)]
+    )
+
+
+def test_on_a_tp_rank_past_0_a_deltas_parent_is_not_evicted_while_the_delta_is_written(side):
+    """A save keeps the parents of this process's saves in flight from its evictions. A job
+    names TP rank 0's namespace (the scheduler plans there); rank 1 writes its own shard's
+    namespace, where those keys named nothing: its own next save evicted the parent, the
+    delta was skipped (``parent_gone``), and rank 1 lacked a checkpoint rank 0 has."""
+    fp = dataclasses.replace(fingerprint(), tp_size=2, tp_rank=1)
+    w, _ = side(
+        kv_disk_io_threads=2,
+        kv_disk_space_mb=1,
+        fp=fp,
+        placement=Placement(tp_rank=1, shard=Shard(1, 2, True)),
+    )
+    ns0 = fingerprint().dirname()  # where the scheduler plans: rank 0's namespace
+    parent = save_now(w, save_job(IDS, [1, 2], text=b"p" * 2 * BLOCK, req="a", ns=ns0))
+    child = save_job(IDS, [3], start=2 * BLOCK, parent=parent, text=b"p" * 3 * BLOCK, ns=ns0)
+    big = save_job(IDS, [4, 5, 6, 7, 8, 9, 10], text=b"q" * 7 * BLOCK, req="b", ns=ns0)
+    write, gate = w.store.write, threading.Event()
+
+    def child_held(ns, sha1, *args, **kwargs):
+        if sha1 == child.plan.sha1 and not gate.wait(WAIT):
+            raise TimeoutError("the test never opened the gate")
+        return write(ns, sha1, *args, **kwargs)
+
+    w.store.write = child_held
+    w.wait_for_save(StepMeta(saves=[child]))  # written when the gate opens
+    w.wait_for_save(StepMeta(saves=[big]))  # needs the parent's room: it must not get it
+    reports = []
+    for _ in range(WAIT * 10):  # until the big save ended (the delta waits at the gate)
+        reports.append(w.build_connector_worker_meta())
+        ended = [e.sha1 for r in reports if r for e in r.written]
+        ended += [sha1 for r in reports if r for _, sha1 in r.failed_saves]
+        if big.plan.sha1 in ended:
+            break
+        threading.Event().wait(0.1)
+    gate.set()
+    w.drain()
+    report = WorkerReport()
+    for r in [*reports, w.build_connector_worker_meta()]:
+        report.aggregate(r)
+    assert [e.sha1 for e in report.written] == [child.plan.sha1]
+    assert [sha1 for _, sha1 in report.failed_saves] == [big.plan.sha1]  # no room: skipped

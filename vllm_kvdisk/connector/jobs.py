@@ -86,7 +86,9 @@ class StepMeta(KVConnectorMetadata):
 class WorkerReport(KVConnectorWorkerMetadata):
     written: list[Entry] = field(default_factory=list)  # index entries of files that landed
     failed_saves: list[tuple[str, str]] = field(default_factory=list)  # (ns, sha1)
-    removed: list[tuple[str, str]] = field(default_factory=list)  # evicted (journaled)
+    # Evicted or dropped (journaled): (ns, sha1, inode), the file that went, not a name a
+    # file saved again in the same step may hold by now.
+    removed: list[tuple[str, str, int]] = field(default_factory=list)
     stale: list[tuple[str, str]] = field(default_factory=list)  # a load found it gone or bad
     failed_loads: list[str] = field(default_factory=list)  # req ids whose load fell short
     loads: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds)

@@ -630,7 +630,16 @@ class SchedulerSide:
             self._pending_pins.pop((ns, sha1), None)
         if landed_pins:
             self._pin(landed_pins)
-        for ns, sha1 in report.removed + report.stale:
+        # A report lists what was written and what was removed, not in which order: a
+        # removal takes the file that went (its inode), never a file saved again under
+        # its name in the same step (written above).
+        for ns, sha1, inode in report.removed:
+            known = index.get(ns, sha1)
+            if known is not None and known.inode != inode:
+                continue  # saved again since: that file stays, and stays announced
+            index.remove(ns, sha1)
+            self.events.removed((ns, sha1))
+        for ns, sha1 in report.stale:
             index.remove(ns, sha1)
             self.events.removed((ns, sha1))
         # A load found these gone or corrupt: maybe deleted by hand, which no journal line

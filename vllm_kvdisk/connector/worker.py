@@ -18,7 +18,9 @@ Invariants:
 * Staging held by saves in flight stays under ``kv_disk_staging_inflight_mb``; past it a
   save is skipped (``busy``), never waited for.
 * A delta is written only while its parent is on disk: after the parent's write in this
-  process, and checked again under the directory lock (``Store.write``).
+  process, and checked again under the directory lock (``Store.write``). A save in flight
+  is known by the namespace this worker writes (its KV shard's, not the job's ``plan.ns``,
+  which is TP rank 0's) and its name: one text saved by two tenants at once is two saves.
 * Nothing here raises into the engine: failures are counted, logged and reported.
 """
 
@@ -108,7 +110,9 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._report = WorkerReport()
         self._held: set[str] = set()  # finished requests whose pages were copied out
-        self._inflight: dict[str, tuple[Future, SaveJob]] = {}  # sha1 -> (written?, job)
+        # (namespace written, sha1) -> (written?, job): one text saved by two tenants (cache
+        # salts) at once is two saves of one name in two namespaces
+        self._inflight: dict[tuple[str, str], tuple[Future, SaveJob]] = {}
         self._copying: dict[str, int] = {}  # req id -> copies not finished
         self._copy_ended = threading.Condition(self._lock)
         self._staged = 0  # bytes of staging held by saves in flight
@@ -174,7 +178,7 @@ class WorkerSide:
 
     def _on_drop(self, entry: Entry, why: str) -> None:
         with self._lock:
-            self._report.removed.append((entry.ns, entry.sha1))
+            self._report.removed.append((entry.ns, entry.sha1, entry.inode))
         self.trace.dropped(entry.sha1, entry.tokens, entry.size, why)
 
     def _mover(self) -> PageMover:
@@ -186,10 +190,15 @@ class WorkerSide:
     def _fp(self, scope: Scope) -> Fingerprint:
         return self.namespaces.fingerprint(scope.lora, scope.salt_digest)
 
+    def _ns(self, scope: Scope) -> str:
+        """The namespace this worker writes a scope's saves in: its own KV shard's (a
+        job's ``plan.ns`` is TP rank 0's, where the scheduler plans)."""
+        return self.namespaces.name(scope.lora, scope.salt_digest)
+
     def _on_evict(self, entry: Entry) -> None:
         self.stats.add("evictions")
         with self._lock:
-            self._report.removed.append((entry.ns, entry.sha1))
+            self._report.removed.append((entry.ns, entry.sha1, entry.inode))
         self.trace.evicted(entry.sha1, entry.tokens, entry.size)
 
     # -- loads (connector/loading.py) ---------------------------------------------------
@@ -219,9 +228,18 @@ class WorkerSide:
         self._step_computed()
         self._held.update(meta.holds)
         for job in meta.saves:
-            if self.placement.shard.writer:
+            if not self.placement.shard.writer:  # another rank holds and writes these pages
+                self._confirm_copy(job.req_id)
+                continue
+            try:
                 self._start_copy(job)
-            else:  # another rank holds and writes these pages
+            except Exception as exc:  # noqa: BLE001 - this save alone is lost
+                # Nothing of it was counted yet (``_start_copy``): it is reported failed
+                # and confirmed, so its reservation and its request's hold end, and the
+                # step's other saves still start.
+                self.stats.count("errors", "wait_for_save")
+                log.exception("kvdisk: starting the save %s failed", job.plan.sha1)
+                self._save_failed(job, str(exc))
                 self._confirm_copy(job.req_id)
 
     @guarded("handle_preemptions", lambda: None)
@@ -238,12 +256,12 @@ class WorkerSide:
                 self._copy_ended.wait_for(lambda: not self._copying.keys() & set(meta.flush))
 
     def _start_copy(self, job: SaveJob) -> None:
+        """Hand one save to the copy thread. What may raise comes before anything is
+        counted (staging, copies running, saves in flight): a save that raises here was
+        never started."""
         mover = self._mover()
-        if mover is None:
-            self._save_failed(job, "KV caches not registered")
-            self._confirm_copy(job.req_id)
-            return
         nbytes = sum(len(ids) for ids in self._layer_ids(job)) * mover.page_bytes
+        after = mover.mark()  # on a GPU: an event after this step's forward
         with self._lock:
             staged = self._staged
             busy = staged + nbytes > self._staging_cap
@@ -252,10 +270,11 @@ class WorkerSide:
                 self.staging_peak = max(self.staging_peak, self._staged)
                 self._copying[job.req_id] = self._copying.get(job.req_id, 0) + 1
                 self._windows_copying += bool(job.groups)
-            parent = self._inflight.get(job.plan.parent) if job.plan.parent else None
+            ns = self._ns(job.scope)
+            parent = self._inflight.get((ns, job.plan.parent)) if job.plan.parent else None
             done: Future = Future()
             if not busy:
-                self._inflight[job.plan.sha1] = (done, job)
+                self._inflight[(ns, job.plan.sha1)] = (done, job)
         if busy:  # the disk is slower than the saves: skip one rather than grow memory
             self._save_failed(
                 job,
@@ -264,7 +283,6 @@ class WorkerSide:
             )
             self._confirm_copy(job.req_id)
             return
-        after = mover.mark()  # on a GPU: an event after this step's forward
         try:
             self._copier.submit(self._copy, job, nbytes, after, parent[0] if parent else None, done)
         except RuntimeError:  # shutting down
@@ -361,7 +379,7 @@ class WorkerSide:
         for buf in pages:
             self.staging.put(buf)
         with self._lock:
-            self._inflight.pop(job.plan.sha1, None)
+            self._inflight.pop((self._ns(job.scope), job.plan.sha1), None)
             self._staged -= nbytes
         done.set_result(ok)
 
@@ -377,7 +395,9 @@ class WorkerSide:
     def _protected(self) -> set[tuple[str, str]]:
         """Files this process is about to extend: the parents of saves in flight."""
         with self._lock:
-            return {(j.plan.ns, j.plan.parent) for _, j in self._inflight.values() if j.plan.parent}
+            return {
+                (ns, j.plan.parent) for (ns, _), (_, j) in self._inflight.items() if j.plan.parent
+            }
 
     def _save(
         self,

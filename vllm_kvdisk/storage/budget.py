@@ -332,7 +332,7 @@ class Budget:
         on its name) is read again and the plan made again; after a few rounds, the
         directory is listed and stat'ed whole: outside the lock (``_Relist``, unless
         ``listed``: that was done), since every other replica's saves wait while it is
-        held."""
+        held. SaveSkipped when no plan checked out even after that listing."""
         keep = keep | self._guarded()
         for attempt in range(RECHECKS + 1):
             if attempt == RECHECKS:
@@ -353,7 +353,11 @@ class Budget:
             if self.scanner.verify_victims(plan):
                 return plan
             need = shortfall()
-        return plan
+        # Every plan, the last made after a listing, named a file the disk contradicted
+        # (other processes keep saving, hitting, replacing): none is carried out unchecked.
+        raise SaveSkipped(
+            "no_space", "the files chosen to make room kept changing on disk: nothing evicted"
+        )
 
     def _delete(self, plan: list[Entry]) -> None:
         if not plan:

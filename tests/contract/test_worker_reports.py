@@ -1,0 +1,62 @@
+"""The scheduler half's index follows what real workers report (``WorkerReport``): files
+written and removed in one step, in whatever order they happened."""
+
+import os
+import sys
+
+import numpy as np
+import torch
+import vllm_api as api
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from workers import BLOCK, make_worker, save_job  # noqa: E402
+
+from vllm_kvdisk.connector.jobs import StepMeta  # noqa: E402
+
+IDS = np.arange(5_000, 5_000 + 32 * BLOCK, dtype="<u4")
+
+
+def test_a_file_evicted_and_saved_again_in_one_step_stays_in_the_index(make_engine, tmp_path):
+    """A worker evicted a file and, in the same step, saved its prefix again (the
+    scheduler, following the journal, had seen it go and planned it anew). Its report
+    said both: the new file written, the old one removed. Removals were applied by name
+    after the writes, so the new file, on disk, left the scheduler's index: never offered
+    to a lookup until a listing found it again."""
+    engine = make_engine(kv_disk_space_mb=1)
+    side = engine.kvdisk
+    torch.manual_seed(0)
+    caches = {f"model.layers.{i}.attn": torch.rand(32, 8, BLOCK, 128) for i in range(2)}
+    w = make_worker(tmp_path, caches, name="kv", kv_disk_space_mb=1, kv_disk_io_threads=1)
+    try:
+        first = save_job(IDS, [1, 2], text=b"x" * 2 * BLOCK)
+        w.wait_for_save(StepMeta(saves=[first]))
+        w.drain()
+        side.update_connector_output(api.kv_output(meta=w.build_connector_worker_meta()))
+        ns, sha1 = first.plan.ns, first.plan.sha1
+        assert side.store.index.get(ns, sha1) is not None
+        # Held open, its inode is not handed to the next file (as when any other file
+        # took it): the file saved again is told from the one evicted.
+        held = side.store.open_file(ns, sha1)
+        try:
+            big = save_job(IDS, [3, 4, 5, 6, 7, 8], text=b"y" * 6 * BLOCK)  # evicts it
+            again = save_job(IDS, [9, 10], text=b"x" * 2 * BLOCK)  # and evicts big
+            w.wait_for_save(StepMeta(saves=[big]))
+            w.drain()
+            w.wait_for_save(StepMeta(saves=[again]))
+            w.drain()
+            report = w.build_connector_worker_meta()
+        finally:
+            os.close(held)
+        assert report is not None
+        assert sorted(e.sha1 for e in report.written) == sorted([big.plan.sha1, sha1])
+        side.update_connector_output(api.kv_output(meta=report))
+        on_disk = side.store.open_file(ns, sha1)  # the file saved again is there
+        try:
+            inode = os.fstat(on_disk).st_ino
+        finally:
+            os.close(on_disk)
+        entry = side.store.index.get(ns, sha1)
+        assert entry is not None and entry.inode == inode
+        assert side.store.index.get(ns, big.plan.sha1) is None  # evicted for it: gone
+    finally:
+        w.shutdown()
