@@ -222,3 +222,36 @@ def test_the_invariant_check_catches_a_freed_block(make_engine):
     engine.ranks[0].copies[0].job.block_ids.append(10_000)
     with pytest.raises(FreedBlockRead):
         engine.check("test")
+
+
+def test_one_requests_failing_save_plan_leaves_the_other_requests_saves(make_engine):
+    """Planning a save is per request: an error in one request's plan (counted, logged)
+    never drops the saves of the others scheduled in the same step."""
+    engine = make_engine()
+    sched = engine.kvdisk
+    broken = api.make_request(PROMPT, max_tokens=2)
+    other = api.make_request([t + 1000 for t in PROMPT], max_tokens=2)
+    plan = sched._plan
+
+    def failing(st, due):
+        if st.request.request_id == broken.request_id:
+            raise RuntimeError("injected planning fault")
+        return plan(st, due)
+
+    counted = []
+    count = sched.stats.count
+    sched.stats.count = lambda name, label, value=1: (
+        counted.append((name, label)),
+        count(name, label, value),
+    )
+    sched._plan = failing
+    engine.add(broken)
+    engine.add(other)
+    engine.step()
+    assert engine.scheduled[0].keys() == {broken.request_id, other.request_id}
+    saved = {job.req_id for job in engine.saves}
+    assert other.request_id in saved and broken.request_id not in saved
+    assert ("errors", "build_connector_meta") in counted
+    engine.drain()
+    assert broken.is_finished() and other.is_finished()
+    assert kvdisk_forgot(engine)

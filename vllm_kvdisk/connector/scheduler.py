@@ -426,16 +426,24 @@ class SchedulerSide:
         self._loads = []
         try:
             self.states.preempted(scheduler_output.preempted_req_ids)
-            for req_id in self.states.take(scheduler_output, self._state_saveable):
-                st = self._reqs.get(req_id)
-                if st is not None and st.may_save:
+            offered = self.states.take(scheduler_output, self._state_saveable)
+        except Exception:  # noqa: BLE001 - saves are optional; the loads above are not
+            offered = []
+            self._planning_failed()
+        for req_id in offered:
+            st = self._reqs.get(req_id)
+            if st is not None and st.may_save:
+                try:
                     at = self.states.junction(req_id, st.request)
                     if at:  # where conversations meet: saved before a later pin drops it
                         self._plan(st, [(at, Reason.COLD)])
-            for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
-                st = self._reqs.get(req_id)
-                if st is None or not st.may_save:
-                    continue
+                except Exception:  # noqa: BLE001 - one request's, never the others'
+                    self._planning_failed()
+        for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is None or not st.may_save:
+                continue
+            try:
                 request = st.request
                 before = request.num_computed_tokens
                 due = self.rules.on_step(request.num_prompt_tokens, before, before + n_sched)
@@ -448,12 +456,14 @@ class SchedulerSide:
                 due = [p for p in due if p[0] <= known]
                 if due:
                     self._plan(st, due)
-            if self._shutdown_requested and not self._shutdown_saved:
-                self._shutdown_saved = True
+            except Exception:  # noqa: BLE001 - one request's, never the others'
+                self._planning_failed()
+        if self._shutdown_requested and not self._shutdown_saved:
+            self._shutdown_saved = True
+            try:
                 self._checkpoint_running()
-        except Exception:  # noqa: BLE001 - saves are optional; the loads above are not
-            self.stats.count("errors", "build_connector_meta")
-            log.exception("kvdisk: planning saves failed")
+            except Exception:  # noqa: BLE001
+                self._planning_failed()
         meta.saves = self.saves.take()
         for job in meta.saves:
             pin = self._pin_for.get(job.req_id)
@@ -467,6 +477,12 @@ class SchedulerSide:
         meta.holds, self._holds = self._holds, []
         meta.flush = [r for r in scheduler_output.preempted_req_ids or () if r in self._reqs]
         return meta
+
+    def _planning_failed(self) -> None:
+        """A save plan raised: counted and logged; the request is answered all the same
+        (saves are optional), and the other requests of the step still plan theirs."""
+        self.stats.count("errors", "build_connector_meta")
+        log.exception("kvdisk: planning saves failed")
 
     def _state_saveable(self, req_id: str, tokens: int) -> bool:
         """Whether a save of the request could ever be made at a state boundary of
