@@ -195,9 +195,11 @@ class KVDiskConnector(KVConnectorBase_V1, SupportsHMA):
     def _keep_block_size(self) -> None:
         """The block size vLLM's multi-process engine core resets after start-up
         (``wiring.restore_block_size``): a state model's prefill chunks end on its
-        blocks again, so vLLM keeps (and kvdisk saves) the states at block boundaries."""
-        if restore_block_size(self._cache_config, self.sched.block_size):
-            self.sched.block_size_restored()
+        blocks again, so vLLM keeps (and kvdisk saves) the states at block boundaries.
+        Only vLLM's Mamba split reads it at run time: other models are left alone."""
+        sched = self.sched
+        if sched.states.active and restore_block_size(self._cache_config, sched.block_size):
+            sched.block_size_restored()
 
     def may_load_async(self, request: Any) -> bool:
         return self.sched.may_load_async(request)
