@@ -131,6 +131,20 @@ def test_groups_of_another_page_geometry_are_refused():
         )
 
 
+def test_the_block_size_an_engine_core_reset_after_start_up_is_put_back():
+    """vLLM 0.32's multi-process engine core re-runs the CPU platform's config check after
+    its handshake, which sets an unspecified block size to 128 under a scheduler built
+    for the KV cache groups' 640 (wiring.restore_block_size)."""
+    from vllm.config import CacheConfig
+
+    from vllm_kvdisk.connector.wiring import restore_block_size
+
+    cache = CacheConfig()
+    cache.block_size = 128
+    assert restore_block_size(cache, 640) and cache.block_size == 640
+    assert not restore_block_size(cache, 640) and cache.block_size == 640
+
+
 def test_vllm_specs_are_read_as_their_kind():
     """The wiring's reading of vLLM's own spec objects (0.32)."""
     import torch

@@ -21,7 +21,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_kvdisk.connector.jobs import StepMeta
-from vllm_kvdisk.connector.wiring import build_scheduler_side, build_worker_side
+from vllm_kvdisk.connector.wiring import (
+    build_scheduler_side,
+    build_worker_side,
+    restore_block_size,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -52,6 +56,7 @@ class KVDiskConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._cache_config = vllm_config.cache_config
         if role == KVConnectorRole.SCHEDULER:
             self._sched = build_scheduler_side(vllm_config, kv_cache_config)
         else:
@@ -183,7 +188,18 @@ class KVDiskConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        # Asked for every waiting request before vLLM splits its prefill into chunks.
+        self._keep_block_size()
         return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def _keep_block_size(self) -> None:
+        """The block size vLLM's multi-process engine core resets after start-up
+        (``wiring.restore_block_size``): a state model's prefill chunks end on its
+        blocks again, so vLLM keeps (and kvdisk saves) the states at block boundaries.
+        Only vLLM's Mamba split reads it at run time: other models are left alone."""
+        sched = self.sched
+        if sched.states.active and restore_block_size(self._cache_config, sched.block_size):
+            sched.block_size_restored()
 
     def may_load_async(self, request: Any) -> bool:
         return self.sched.may_load_async(request)

@@ -188,6 +188,13 @@ class SchedulerSide:
     def _stop_requested(self) -> None:
         self._shutdown_requested = True
 
+    def block_size_restored(self) -> None:
+        log.info(
+            "kvdisk: vLLM's engine core reset its block size after start-up; put back to "
+            "its KV cache groups' %d, so prefill chunks end on block boundaries",
+            self.block_size,
+        )
+
     # -- requests ---------------------------------------------------------------------
     def _ns(self, scope: Scope) -> str:
         return self.namespaces.name(scope.lora, scope.salt_digest)

@@ -135,6 +135,27 @@ def engine_fingerprint(
     )
 
 
+def restore_block_size(cache_config: Any, block_size: int) -> bool:
+    """Put the engine core's ``cache_config.block_size`` back to its KV cache groups' block
+    size where something reset it; True when it did.
+
+    vLLM 0.32 sets it to the groups' block size once the cache is sized (640 for the tiny
+    Qwen3-Next: the attention block raised until its page holds a state page;
+    ``v1/engine/core.py:352``) and builds the scheduler with it. A multi-process engine core
+    then re-runs ``VllmConfig.__post_init__`` after its start-up handshake
+    (``EngineCoreProc._perform_handshakes``, ``v1/engine/core.py:1311``), and the CPU
+    platform's ``check_and_update_config`` sets an unspecified block size to 128 again
+    (``platforms/cpu.py:293``). The scheduler's Mamba split reads it at every step
+    (``_mamba_block_aligned_split``, ``v1/core/sched/scheduler.py:469``): prefill chunks end
+    on 128-token boundaries, so the states vLLM keeps (a chunk ending on a 640 boundary) are
+    few, for kvdisk and for vLLM's own prefix cache alike. The offline engine (one process,
+    no handshake) keeps 640. Nothing else in the scheduler reads the value at run time."""
+    if block_size <= 0 or getattr(cache_config, "block_size", block_size) == block_size:
+        return False
+    cache_config.block_size = block_size
+    return True
+
+
 def group_info(spec: Any, layers: int) -> GroupInfo:
     """Plain values of one vLLM KV cache spec, for ``compat.kv_groups``."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
