@@ -1,5 +1,5 @@
 """A TCP proxy in the test process, in front of a real server: it slows what the server
-sends (a rate per connection, fixed when the connection opens) or freezes a transfer
+sends (``rate``: bytes per second of each connection, changed at any time) or freezes a transfer
 midway (``hold_*``: once one connection carried that many bytes one way, nothing more is
 forwarded either way until the proxy closes). The object-store tests put it between the
 tier and SeaweedFS to make a store slow, or to kill a process while its PUT or GET is in
@@ -18,7 +18,7 @@ CHUNK = 16 * 1024
 class Proxy:
     def __init__(self, upstream_port: int, host: str = "127.0.0.1"):
         self.upstream = (host, upstream_port)
-        self.rate: float | None = None  # bytes/s from the server, for connections opened now
+        self.rate: float | None = None  # bytes/s from the server, per connection
         self.hold_up: int | None = None  # client -> server bytes of one connection
         self.hold_down: int | None = None  # server -> client bytes of one connection
         self.held = threading.Event()  # a hold was reached: nothing moves any more
@@ -58,16 +58,15 @@ class Proxy:
             with self._lock:
                 self._socks += [client, server]
                 self.connections += 1
-            rate = self.rate
-            for src, dst, hold, r in (
-                (client, server, self.hold_up, None),
-                (server, client, self.hold_down, rate),
+            for src, dst, hold, slow in (
+                (client, server, self.hold_up, False),
+                (server, client, self.hold_down, True),
             ):
-                threading.Thread(target=self._pump, args=(src, dst, hold, r), daemon=True).start()
+                args = (src, dst, hold, slow)
+                threading.Thread(target=self._pump, args=args, daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, hold: int | None, rate: float | None):
+    def _pump(self, src: socket.socket, dst: socket.socket, hold: int | None, slow: bool):
         sent = 0
-        started = time.monotonic()
         try:
             while True:
                 data = src.recv(CHUNK)
@@ -82,10 +81,9 @@ class Proxy:
                     self.held.set()
                     self._closed.wait()
                     return
-                if rate is not None:  # the bytes so far not before their time at `rate`
-                    wait = started + (sent + len(data)) / rate - time.monotonic()
-                    if wait > 0:
-                        time.sleep(wait)
+                rate = self.rate if slow else None
+                if rate is not None:
+                    time.sleep(len(data) / rate)
                 dst.sendall(data)
                 sent += len(data)
         except OSError:

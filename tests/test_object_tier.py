@@ -478,3 +478,52 @@ def test_kill_during_a_fetch_leaves_nothing_a_reader_would_use(aws, tmp_path):
     assert restarted.temp_files() == [] and temp not in os.listdir(ns_dir)
     assert verify(restarted).ok
     assert verify(restarted).ok
+
+
+def answered_by(job, deadline_s):
+    """Seconds until the request waiting on ``job`` goes on (the scheduler's own test)."""
+    while not job.settled(time.monotonic()):
+        time.sleep(0.02)
+    return time.monotonic() - job.started
+
+
+def test_store_slow_is_a_miss_at_the_deadline_then_serves_again(aws, tmp_path, monkeypatch):
+    """A store that answers, slowly (a proxy passes 64 KiB/s of each response): requests
+    that wait on a 12 MiB object go on at the deadline, however many come, and what the
+    slow downloads finish once the store is fast again is installed whole."""
+    url = url_of(aws)
+    a, ns, p, plan = big_file(tmp_path / "a")
+    tier_a = tier_of(a, url)
+    tier_a.saved(ns, plan.sha1)
+    assert tier_a.drain(60) and counts(tier_a) == {"uploaded": 1}
+    tier_a.close()
+    proxy = Proxy(aws.port)
+    proxy.rate = 64 * 1024
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    b = Store(str(tmp_path / "b" / "cache"), space_bytes=1 << 30)
+    b.ensure_namespace(BIG_FP)
+    deadline_s = 2.0
+    tier_b = tier_of(b, url, timeout_s=5.0, deadline_s=deadline_s)
+    names = lambda: prefix_names(byte_table(), p.ids, BLOCK, BIG_TOKENS)  # noqa: E731
+    try:
+        jobs = []
+        for _ in range(3):  # one request after another, while the store stays slow
+            job = tier_b.fetch(ns, names, 0, lambda s: b.index.get(ns, s) is not None)
+            assert job is not None
+            waited = answered_by(job, deadline_s)
+            assert deadline_s <= waited < deadline_s + 5.0
+            assert job.reason.startswith("deadline") and job.installed == []
+            jobs.append(job)
+        assert planner(b).lookup(ns, p.ids, BIG_TOKENS).tokens == 0
+        proxy.rate = None  # the store is fast again
+        assert jobs[0].done.wait(60)
+        got = tier_b.fetch(ns, names, 0, lambda s: b.index.get(ns, s) is not None)
+        assert got is None or (got.done.wait(60) and not got.installed)
+    finally:
+        proxy.rate = None
+        tier_b.close()
+        proxy.close()
+    assert planner(b).lookup(ns, p.ids, BIG_TOKENS).tokens == BIG_TOKENS
+    with open(a.path(ns, plan.sha1), "rb") as fa, open(b.path(ns, plan.sha1), "rb") as fb:
+        assert fa.read()[48:] == fb.read()[48:]
+    assert verify(b).ok
