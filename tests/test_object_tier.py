@@ -527,3 +527,25 @@ def test_store_slow_is_a_miss_at_the_deadline_then_serves_again(aws, tmp_path, m
     with open(a.path(ns, plan.sha1), "rb") as fa, open(b.path(ns, plan.sha1), "rb") as fb:
         assert fa.read()[48:] == fb.read()[48:]
     assert verify(b).ok
+
+
+def test_a_fetch_asks_the_store_once_per_range(aws, tmp_path):
+    """Per-request overhead: a fetch lists once and makes one ranged GET per 8 MiB of
+    each object, its first telling the size (no HEAD before it: a round trip per file)."""
+    url = url_of(aws)
+    a, ns, p, plan = big_file(tmp_path / "a")
+    tier_a = tier_of(a, url)
+    tier_a.saved(ns, plan.sha1)
+    assert tier_a.drain(60)
+    tier_a.close()
+    b = Store(str(tmp_path / "b" / "cache"), space_bytes=1 << 30)
+    b.ensure_namespace(BIG_FP)
+    tier_b = tier_of(b, url)
+    calls = []
+    tier_b.bucket.client.meta.events.register(
+        "before-call.s3", lambda model, **_: calls.append(model.name)
+    )
+    job = fetch_into(b, tier_b, ns, p, usable=BIG_TOKENS)
+    tier_b.close()
+    assert job.installed == [plan.sha1] and verify(b).ok
+    assert sorted(calls) == ["GetObject", "GetObject", "ListObjectsV2"]  # 12 MiB: 2 ranges

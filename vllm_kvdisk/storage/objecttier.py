@@ -57,7 +57,7 @@ UPLOAD_QUEUE = 256  # saved files waiting for their upload; past it an upload is
 # attempt per file per wait, on the uploader's one thread, never the engine's step).
 RETRY_AFTER_S = (5.0, 30.0, 120.0)
 RETRY_PENDING_MAX = 4096  # uploads waiting for a retry; past it a failure is final
-FETCH_FILES = 4  # objects of one fetch downloaded at once (each in parallel ranges)
+FETCH_FILES = 8  # objects of one fetch downloaded at once (each in parallel ranges)
 PARENT_ROUNDS = 8  # parents named by downloaded files, fetched in at most this many rounds
 CALL_TIMEOUT_S = 10.0  # connect and read timeouts of one call to the store
 
@@ -347,12 +347,20 @@ class ObjectTier:
     def _download(
         self, stack: contextlib.ExitStack, job: Fetch, ns: str, sha1: str
     ) -> tuple[fsdir.TempFile, Summary] | None:
-        size = self.bucket.size_of(ns, sha1)
-        if size is None or size > self.store.space_bytes:
-            return None  # gone since the listing, or could never fit
-        with self._lock:
-            tmp = stack.enter_context(self.store.incoming(ns, sha1))
-        self.bucket.get_into(ns, sha1, tmp.fd, size)
+        tmp: fsdir.TempFile | None = None
+
+        def target(size: int) -> int | None:
+            nonlocal tmp
+            if size > self.store.space_bytes:
+                return None  # could never fit
+            with self._lock:
+                tmp = stack.enter_context(self.store.incoming(ns, sha1))
+            return tmp.fd
+
+        size = self.bucket.get_into(ns, sha1, target)
+        if size is None or tmp is None:
+            return None  # gone since the listing, or too large
+        os.fsync(tmp.fd)  # here, beside the other downloads, not in the adoption's turn
         fd = os.open(tmp.name, os.O_RDONLY | fsdir.NOFOLLOW, dir_fd=tmp.dir_fd)
         try:
             summary = check_whole(fd, sha1, ns)
