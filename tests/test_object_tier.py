@@ -549,3 +549,37 @@ def test_a_fetch_asks_the_store_once_per_range(aws, tmp_path):
     tier_b.close()
     assert job.installed == [plan.sha1] and verify(b).ok
     assert sorted(calls) == ["GetObject", "GetObject", "ListObjectsV2"]  # 12 MiB: 2 ranges
+
+
+def test_an_idle_step_waits_for_a_fetch_and_a_step_with_work_never(tmp_path):
+    """An engine step that computes nothing while a request waits on its fetch waits for
+    the fetch a little, the GIL released (an in-process engine's loop spins otherwise and
+    starves the fetch's threads: 0.33 of the store's speed); a step with work never."""
+    import threading
+
+    from vllm_kvdisk.connector.objectfetch import IDLE_WAIT_S, ObjectFetches
+    from vllm_kvdisk.core.index import Index
+    from vllm_kvdisk.ops.trace import Trace
+    from vllm_kvdisk.storage.objecttier import Fetch
+
+    waits = []
+
+    class Done(threading.Event):  # records how long each wait may last
+        def wait(self, timeout=None):
+            waits.append(timeout)
+            return super().wait(timeout)
+
+    job = Fetch("ns", time.monotonic() + 60, time.monotonic(), done=Done())
+
+    class Tier:
+        def fetch(self, *args):
+            return job
+
+    fetches = ObjectFetches(Tier(), Index(), byte_table(), BLOCK, 1, Trace(None))
+    assert fetches.idle(0) is False  # nobody waits on a fetch
+    assert fetches.start("r", "ns", prompt(1).ids, 64, 0, list)
+    assert fetches.idle(128) is False and waits == []  # the step had work
+    assert fetches.idle(0) is True and waits == [IDLE_WAIT_S]
+    job.done.set()
+    assert fetches.waiting("r") is False
+    assert fetches.idle(0) is False and waits == [IDLE_WAIT_S]
