@@ -28,6 +28,7 @@ Pure of vLLM and torch.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import queue
@@ -107,6 +108,7 @@ class ObjectTier:
         self._retries: dict[tuple[str, str], tuple[int, float]] = {}  # -> (attempt, due)
         self._jobs = ThreadPoolExecutor(2, thread_name_prefix="kvdisk-fetch")
         self._files = ThreadPoolExecutor(FETCH_FILES, thread_name_prefix="kvdisk-fetch-file")
+        self._syncs = ThreadPoolExecutor(FETCH_FILES, thread_name_prefix="kvdisk-fetch-sync")
         self._uploader = threading.Thread(
             target=self._upload_loop, name="kvdisk-upload", daemon=True
         )
@@ -120,6 +122,7 @@ class ObjectTier:
         self._uploader.join(timeout_s)
         self._jobs.shutdown(wait=False, cancel_futures=True)
         self._files.shutdown(wait=False, cancel_futures=True)
+        self._syncs.shutdown(wait=False, cancel_futures=True)
         self.bucket.close()
 
     def _count(self, outcome: str, n: int = 1) -> None:
@@ -360,7 +363,9 @@ class ObjectTier:
         size = self.bucket.get_into(ns, sha1, target)
         if size is None or tmp is None:
             return None  # gone since the listing, or too large
-        os.fsync(tmp.fd)  # here, beside the other downloads, not in the adoption's turn
+        # Synced while it is checked (the disk writes, the check reads the page cache),
+        # beside the other downloads: not one file after another in the adoption's turn.
+        synced = self._syncs.submit(os.fsync, tmp.fd)
         fd = os.open(tmp.name, os.O_RDONLY | fsdir.NOFOLLOW, dir_fd=tmp.dir_fd)
         try:
             summary = check_whole(fd, sha1, ns)
@@ -372,6 +377,8 @@ class ObjectTier:
             return None
         finally:
             os.close(fd)
+            concurrent.futures.wait([synced])  # the temp file stays open until it ends
+        synced.result()  # an error syncing: the fetch fails, nothing installed
         with self._lock:
             job.nbytes += size
         return tmp, summary
