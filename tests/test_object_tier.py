@@ -2,15 +2,24 @@
 empty local directory, a corrupt object, a store that is down or hangs. No engine: the
 engine test is in test_engine_objects.py."""
 
+import json
 import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
 
 import numpy as np
 import pytest
 from synth import BLOCK, FP, byte_table, make, planner, prompt, prompt_of, save
+from tcpproxy import Proxy
 
+from vllm_kvdisk.core.encode import encode_plan
+from vllm_kvdisk.core.format import PageLayout, Reason
+from vllm_kvdisk.core.keys import Fingerprint
 from vllm_kvdisk.core.objects import ObjectUrl, prefix_names
+from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage.objectstore import Bucket
 from vllm_kvdisk.storage.objecttier import ObjectTier
 from vllm_kvdisk.storage.store import Store
@@ -293,3 +302,284 @@ def test_a_failed_upload_is_tried_again_and_lands(aws, tmp_path, monkeypatch):
     assert calls == [(ns, root.sha1)] * 2
     assert tier.bucket.list_names(ns) == {root.sha1}
     tier.close()
+
+
+# -- kill -9 in the middle of a transfer -------------------------------------------------
+
+CHILD = os.path.join(os.path.dirname(__file__), "object_child.py")
+BIG = PageLayout("test:big", BLOCK, 2, (2, BLOCK, 512), "float32")  # 128 KiB per block
+BIG_FP = Fingerprint("tiny", "main", "float32", BIG.name, BLOCK, 1, 0)
+BIG_TOKENS = 1536  # a 12 MiB file: two ranged GETs
+
+
+def big_file(root):
+    """A store under ``root`` with one 12 MiB checkpoint: (store, ns, prompt, plan)."""
+    store = Store(str(root / "cache"), space_bytes=1 << 30)
+    ns = store.ensure_namespace(BIG_FP)
+    p = prompt(3, n=BIG_TOKENS + 10)
+    plan = planner(store).plan_save(ns, p, BIG_TOKENS, Reason.COLD)
+    rng = np.random.default_rng(3)
+    layers = [rng.random((BIG_TOKENS // BLOCK, *BIG.page_shape), dtype=np.float32).tobytes()] * 2
+    enc = encode_plan(
+        plan,
+        text=p.text_upto(plan.tokens),
+        ids=p.ids,
+        layers=layers,
+        layout=BIG,
+        fingerprint=BIG_FP.digest(),
+        kv_dtype="float32",
+        context_size=8192,
+        now=1_000_000,
+    )
+    store.write(ns, plan.sha1, enc)
+    return store, ns, p, plan
+
+
+def spawn(seaweed, endpoint, *args):
+    """``object_child.py`` with the store at ``endpoint`` (a proxy in front of SeaweedFS)."""
+    import vllm_kvdisk
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(vllm_kvdisk.__file__)))
+    env = {**os.environ, **seaweed.env(), "AWS_ENDPOINT_URL": endpoint}
+    env["PYTHONPATH"] = os.pathsep.join([repo, env.get("PYTHONPATH", "")])
+    return subprocess.Popen(
+        [sys.executable, CHILD, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+
+
+def killed(child):
+    child.send_signal(signal.SIGKILL)
+    out = child.communicate(timeout=30)[0].decode(errors="replace")
+    assert child.returncode == -signal.SIGKILL, out  # killed in flight, not done
+    return out
+
+
+def wait_for(what, cond, child, timeout_s=60.0):
+    end = time.monotonic() + timeout_s
+    while not cond():
+        if child.poll() is not None or time.monotonic() > end:
+            out = child.communicate()[0].decode(errors="replace") if child.poll() else ""
+            child.kill()
+            pytest.fail(f"{what}: not seen (child exit {child.poll()}): {out}")
+        time.sleep(0.05)
+
+
+def bucket_keys(seaweed, url, ns):
+    page = seaweed.client().list_objects_v2(Bucket=seaweed.bucket, Prefix=url.ns_prefix(ns))
+    return {o["Key"] for o in page.get("Contents", ())}
+
+
+def test_kill_during_an_upload_leaves_no_object_a_reader_would_use(aws, tmp_path):
+    """The uploading process is killed (SIGKILL) after half of the file's bytes reached the
+    server: the bucket holds no partial object under the name, a reader on an empty
+    directory installs nothing, and the restarted uploader puts the whole file (a partial
+    object there would have taken the name: If-None-Match would refuse it for good)."""
+    url = url_of(aws)
+    a, ns, p, plan = big_file(tmp_path / "a")
+    with open(a.path(ns, plan.sha1), "rb") as fh:
+        whole = fh.read()
+    proxy = Proxy(aws.port)
+    proxy.hold_up = len(whole) // 2
+    child = spawn(
+        aws, proxy.endpoint, "upload", a.root, f"s3://{url.bucket}/{url.prefix}", ns, plan.sha1
+    )
+    try:
+        wait_for("half of the upload at the server", proxy.held.is_set, child)
+        killed(child)
+    finally:
+        proxy.close()
+
+    def reader(name):
+        b = Store(str(tmp_path / name / "cache"), space_bytes=1 << 30)
+        b.ensure_namespace(BIG_FP)
+        tier = tier_of(b, url)
+        job = fetch_into(b, tier, ns, p, usable=BIG_TOKENS)
+        tier.close()
+        return b, job
+
+    assert url.key(ns, plan.sha1) not in bucket_keys(aws, url, ns)
+    b, job = reader("b")
+    assert job is None or job.installed == []
+    assert planner(b).lookup(ns, p.ids, BIG_TOKENS).tokens == 0
+    assert b.temp_files() == [] and verify(b).ok
+
+    tier_a = tier_of(a, url)  # the restarted replica uploads the file again
+    tier_a.saved(ns, plan.sha1)
+    assert tier_a.drain(60)
+    assert counts(tier_a) == {"uploaded": 1}
+    tier_a.close()
+    c, job = reader("c")
+    assert job.installed == [plan.sha1] and not job.reason
+    assert planner(c).lookup(ns, p.ids, BIG_TOKENS).tokens == BIG_TOKENS
+    with open(c.path(ns, plan.sha1), "rb") as fh:
+        assert fh.read()[48:] == whole[48:]
+    assert verify(c).ok
+
+
+def test_kill_during_a_fetch_leaves_nothing_a_reader_would_use(aws, tmp_path):
+    """The fetching process is killed (SIGKILL) with part of the object written into its
+    temp file: the directory holds no checkpoint of the name (a restart looks it up as a
+    miss), a fetch after the restart installs the whole file, and the next listing of the
+    directory past the temp file's grace removes it."""
+    url = url_of(aws)
+    a, ns, p, plan = big_file(tmp_path / "a")
+    tier_a = tier_of(a, url)
+    tier_a.saved(ns, plan.sha1)
+    assert tier_a.drain(60) and counts(tier_a) == {"uploaded": 1}
+    tier_a.close()
+    b = Store(str(tmp_path / "b" / "cache"), space_bytes=1 << 30)
+    assert b.ensure_namespace(BIG_FP) == ns
+    names = prefix_names(byte_table(), p.ids, BLOCK, BIG_TOKENS)
+    proxy = Proxy(aws.port)
+    proxy.hold_down = 3 * 2**20  # a GET's first 3 MiB reach the process, then nothing
+    child = spawn(
+        aws,
+        proxy.endpoint,
+        "fetch",
+        b.root,
+        f"s3://{url.bucket}/{url.prefix}",
+        ns,
+        json.dumps(names),
+    )
+    ns_dir = b.ns_dir(ns)
+
+    def written() -> list[str]:
+        return [
+            n
+            for n in os.listdir(ns_dir)
+            if n.startswith(fsdir.TMP_PREFIX) and os.path.getsize(os.path.join(ns_dir, n)) > 0
+        ]
+
+    try:
+        wait_for(
+            "part of the object in a temp file", lambda: proxy.held.is_set() and written(), child
+        )
+        killed(child)
+    finally:
+        proxy.close()
+    (temp,) = written()
+    assert f"{plan.sha1}.kv" not in os.listdir(ns_dir)
+
+    # A restart within seconds (the temp file is young: its writer may not have locked it
+    # yet) finds no checkpoint of the name: a miss.
+    restarted = Store(b.root, space_bytes=1 << 30)
+    assert planner(restarted).lookup(ns, p.ids, BIG_TOKENS).tokens == 0
+    assert restarted.index.get(ns, plan.sha1) is None
+    old = time.time() - 3600  # from here on, as if the kill were an hour ago
+    os.utime(os.path.join(ns_dir, temp), (old, old))
+    tier = tier_of(restarted, url)
+    job = fetch_into(restarted, tier, ns, p, usable=BIG_TOKENS)
+    tier.close()
+    assert job.installed == [plan.sha1] and not job.reason
+    assert planner(restarted).lookup(ns, p.ids, BIG_TOKENS).tokens == BIG_TOKENS
+    with open(a.path(ns, plan.sha1), "rb") as fa, open(restarted.path(ns, plan.sha1), "rb") as fb:
+        assert fa.read()[48:] == fb.read()[48:]
+    # The fetch changed the directory: its next listing removed the dead writer's file.
+    assert restarted.temp_files() == [] and temp not in os.listdir(ns_dir)
+    assert verify(restarted).ok
+    assert verify(restarted).ok
+
+
+def answered_by(job, deadline_s):
+    """Seconds until the request waiting on ``job`` goes on (the scheduler's own test)."""
+    while not job.settled(time.monotonic()):
+        time.sleep(0.02)
+    return time.monotonic() - job.started
+
+
+def test_store_slow_is_a_miss_at_the_deadline_then_serves_again(aws, tmp_path, monkeypatch):
+    """A store that answers, slowly (a proxy passes 64 KiB/s of each response): requests
+    that wait on a 12 MiB object go on at the deadline, however many come, and what the
+    slow downloads finish once the store is fast again is installed whole."""
+    url = url_of(aws)
+    a, ns, p, plan = big_file(tmp_path / "a")
+    tier_a = tier_of(a, url)
+    tier_a.saved(ns, plan.sha1)
+    assert tier_a.drain(60) and counts(tier_a) == {"uploaded": 1}
+    tier_a.close()
+    proxy = Proxy(aws.port)
+    proxy.rate = 64 * 1024
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    b = Store(str(tmp_path / "b" / "cache"), space_bytes=1 << 30)
+    b.ensure_namespace(BIG_FP)
+    deadline_s = 2.0
+    tier_b = tier_of(b, url, timeout_s=5.0, deadline_s=deadline_s)
+    names = lambda: prefix_names(byte_table(), p.ids, BLOCK, BIG_TOKENS)  # noqa: E731
+    try:
+        jobs = []
+        for _ in range(3):  # one request after another, while the store stays slow
+            job = tier_b.fetch(ns, names, 0, lambda s: b.index.get(ns, s) is not None)
+            assert job is not None
+            waited = answered_by(job, deadline_s)
+            assert deadline_s <= waited < deadline_s + 5.0
+            assert job.reason.startswith("deadline") and job.installed == []
+            jobs.append(job)
+        assert planner(b).lookup(ns, p.ids, BIG_TOKENS).tokens == 0
+        proxy.rate = None  # the store is fast again
+        assert jobs[0].done.wait(60)
+        got = tier_b.fetch(ns, names, 0, lambda s: b.index.get(ns, s) is not None)
+        assert got is None or (got.done.wait(60) and not got.installed)
+    finally:
+        proxy.rate = None
+        tier_b.close()
+        proxy.close()
+    assert planner(b).lookup(ns, p.ids, BIG_TOKENS).tokens == BIG_TOKENS
+    with open(a.path(ns, plan.sha1), "rb") as fa, open(b.path(ns, plan.sha1), "rb") as fb:
+        assert fa.read()[48:] == fb.read()[48:]
+    assert verify(b).ok
+
+
+def test_a_fetch_asks_the_store_once_per_range(aws, tmp_path):
+    """Per-request overhead: a fetch lists once and makes one ranged GET per 8 MiB of
+    each object, its first telling the size (no HEAD before it: a round trip per file)."""
+    url = url_of(aws)
+    a, ns, p, plan = big_file(tmp_path / "a")
+    tier_a = tier_of(a, url)
+    tier_a.saved(ns, plan.sha1)
+    assert tier_a.drain(60)
+    tier_a.close()
+    b = Store(str(tmp_path / "b" / "cache"), space_bytes=1 << 30)
+    b.ensure_namespace(BIG_FP)
+    tier_b = tier_of(b, url)
+    calls = []
+    tier_b.bucket.client.meta.events.register(
+        "before-call.s3", lambda model, **_: calls.append(model.name)
+    )
+    job = fetch_into(b, tier_b, ns, p, usable=BIG_TOKENS)
+    tier_b.close()
+    assert job.installed == [plan.sha1] and verify(b).ok
+    assert sorted(calls) == ["GetObject", "GetObject", "ListObjectsV2"]  # 12 MiB: 2 ranges
+
+
+def test_an_idle_step_waits_for_a_fetch_and_a_step_with_work_never(tmp_path):
+    """An engine step that computes nothing while a request waits on its fetch waits for
+    the fetch a little, the GIL released (an in-process engine's loop spins otherwise and
+    starves the fetch's threads: 0.33 of the store's speed); a step with work never."""
+    import threading
+
+    from vllm_kvdisk.connector.objectfetch import IDLE_WAIT_S, ObjectFetches
+    from vllm_kvdisk.core.index import Index
+    from vllm_kvdisk.ops.trace import Trace
+    from vllm_kvdisk.storage.objecttier import Fetch
+
+    waits = []
+
+    class Done(threading.Event):  # records how long each wait may last
+        def wait(self, timeout=None):
+            waits.append(timeout)
+            return super().wait(timeout)
+
+    job = Fetch("ns", time.monotonic() + 60, time.monotonic(), done=Done())
+
+    class Tier:
+        def fetch(self, *args):
+            return job
+
+    fetches = ObjectFetches(Tier(), Index(), byte_table(), BLOCK, 1, Trace(None))
+    assert fetches.idle(0) is False  # nobody waits on a fetch
+    assert fetches.start("r", "ns", prompt(1).ids, 64, 0, list)
+    assert fetches.idle(128) is False and waits == []  # the step had work
+    assert fetches.idle(0) is True and waits == [IDLE_WAIT_S]
+    job.done.set()
+    assert fetches.waiting("r") is False
+    assert fetches.idle(0) is False and waits == [IDLE_WAIT_S]

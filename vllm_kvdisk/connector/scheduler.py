@@ -483,6 +483,8 @@ class SchedulerSide:
             del self._pin_for[req_id]  # finished: its last saves were just taken
         meta.holds, self._holds = self._holds, []
         meta.flush = [r for r in scheduler_output.preempted_req_ids or () if r in self._reqs]
+        if self.fetches is not None:  # nothing to compute: let the fetches' threads run
+            self.fetches.idle(scheduler_output.total_num_scheduled_tokens)
         return meta
 
     def _planning_failed(self) -> None:

@@ -105,52 +105,85 @@ class Bucket:
                 raise ObjectStoreError(f"put: {_why(exc)}") from None
         return True
 
-    def size_of(self, ns: str, sha1: str) -> int | None:
-        """The object's size, None if there is no such object."""
-        try:
-            head = self.client.head_object(Bucket=self.url.bucket, Key=self.url.key(ns, sha1))
-        except Exception as exc:  # noqa: BLE001
-            if _status(exc) == 404:
-                return None
-            raise ObjectStoreError(f"head: {_why(exc)}") from None
-        return int(head["ContentLength"])
-
-    def get_into(self, ns: str, sha1: str, fd: int, size: int) -> None:
-        """Write the object's ``size`` bytes into ``fd`` at offset 0, in ranged GETs of
-        ``PART_BYTES`` run in parallel."""
+    def get_into(self, ns: str, sha1: str, target: Callable[[int], int | None]) -> int | None:
+        """Download the object into the descriptor ``target(size)`` gives, at offset 0;
+        its size, or None if there is no such object or ``target`` gave None. The first
+        ranged GET (``PART_BYTES``) tells the size, no HEAD before it; the other ranges
+        run in parallel while this thread writes the first one's bytes."""
         key = self.url.key(ns, sha1)
-
-        def part(start: int) -> None:
-            stop = min(size, start + PART_BYTES) - 1
-            got = self._call(
-                "get",
-                self.client.get_object,
-                Bucket=self.url.bucket,
-                Key=key,
-                Range=f"bytes={start}-{stop}",
+        try:
+            first = self.client.get_object(
+                Bucket=self.url.bucket, Key=key, Range=f"bytes=0-{PART_BYTES - 1}"
             )
-            body = got["Body"]
+        except Exception as exc:  # noqa: BLE001
+            if _status(exc) in (404, 416):  # none, or empty (not a checkpoint either)
+                return None
+            raise ObjectStoreError(f"get: {_why(exc)}") from None
+        body = first["Body"]
+        try:
+            size = _total_size(first)
+            if size is None:
+                raise ObjectStoreError(f"get: {key}: no size in the answer")
+            fd = target(size)
+            if fd is None:
+                return None
+            futures = [
+                self._pool.submit(self._get_part, key, fd, start, min(size, start + PART_BYTES))
+                for start in range(PART_BYTES, size, PART_BYTES)
+            ]
             try:
-                at = start
-                while at <= stop:
-                    chunk = body.read(min(2**20, stop + 1 - at))
-                    if not chunk:
-                        raise ObjectStoreError(f"get: {key} ended at byte {at} of {size}")
-                    written = os.pwrite(fd, chunk, at)
-                    if written != len(chunk):
-                        raise OSError(f"short write of {key} at {at}")
-                    at += written
+                _copy(body, fd, key, 0, min(size, PART_BYTES))
             finally:
-                body.close()
+                for future in futures:  # every part ended before the fd may be closed
+                    future.result()
+            return size
+        finally:
+            body.close()
 
-        futures = [self._pool.submit(part, start) for start in range(0, size, PART_BYTES)]
-        for future in futures:
-            future.result()
+    def _get_part(self, key: str, fd: int, start: int, stop: int) -> None:
+        got = self._call(
+            "get",
+            self.client.get_object,
+            Bucket=self.url.bucket,
+            Key=key,
+            Range=f"bytes={start}-{stop - 1}",
+        )
+        try:
+            _copy(got["Body"], fd, key, start, stop)
+        finally:
+            got["Body"].close()
 
     def delete(self, ns: str, sha1: str) -> None:
         self._call(
             "delete", self.client.delete_object, Bucket=self.url.bucket, Key=self.url.key(ns, sha1)
         )
+
+
+def _total_size(got: dict[str, Any]) -> int | None:
+    """The whole object's size from a ranged GET's answer (``Content-Range: bytes
+    0-N/TOTAL``; a store that ignored the range sent all of it)."""
+    content_range = str(got.get("ContentRange") or "")
+    if not content_range:
+        length = got.get("ContentLength")
+        return int(length) if isinstance(length, int) else None
+    total = content_range.rpartition("/")[2]
+    return int(total) if total.isdigit() else None
+
+
+def _copy(body: Any, fd: int, key: str, start: int, stop: int) -> None:
+    """Bytes ``[start, stop)`` of an object, streamed from ``body`` into ``fd``."""
+    at = start
+    while at < stop:
+        try:
+            chunk = body.read(min(2**20, stop - at))
+        except Exception as exc:  # noqa: BLE001 - a read timeout, a reset: a failed call
+            raise ObjectStoreError(f"get: {_why(exc)}") from None
+        if not chunk:
+            raise ObjectStoreError(f"get: {key} ended at byte {at} of {stop}")
+        written = os.pwrite(fd, chunk, at)
+        if written != len(chunk):
+            raise OSError(f"short write of {key} at {at}")
+        at += written
 
 
 def _status(exc: Exception) -> int | None:

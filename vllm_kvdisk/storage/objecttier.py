@@ -28,6 +28,7 @@ Pure of vLLM and torch.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import queue
@@ -57,7 +58,7 @@ UPLOAD_QUEUE = 256  # saved files waiting for their upload; past it an upload is
 # attempt per file per wait, on the uploader's one thread, never the engine's step).
 RETRY_AFTER_S = (5.0, 30.0, 120.0)
 RETRY_PENDING_MAX = 4096  # uploads waiting for a retry; past it a failure is final
-FETCH_FILES = 4  # objects of one fetch downloaded at once (each in parallel ranges)
+FETCH_FILES = 8  # objects of one fetch downloaded at once (each in parallel ranges)
 PARENT_ROUNDS = 8  # parents named by downloaded files, fetched in at most this many rounds
 CALL_TIMEOUT_S = 10.0  # connect and read timeouts of one call to the store
 
@@ -107,6 +108,7 @@ class ObjectTier:
         self._retries: dict[tuple[str, str], tuple[int, float]] = {}  # -> (attempt, due)
         self._jobs = ThreadPoolExecutor(2, thread_name_prefix="kvdisk-fetch")
         self._files = ThreadPoolExecutor(FETCH_FILES, thread_name_prefix="kvdisk-fetch-file")
+        self._syncs = ThreadPoolExecutor(FETCH_FILES, thread_name_prefix="kvdisk-fetch-sync")
         self._uploader = threading.Thread(
             target=self._upload_loop, name="kvdisk-upload", daemon=True
         )
@@ -120,6 +122,7 @@ class ObjectTier:
         self._uploader.join(timeout_s)
         self._jobs.shutdown(wait=False, cancel_futures=True)
         self._files.shutdown(wait=False, cancel_futures=True)
+        self._syncs.shutdown(wait=False, cancel_futures=True)
         self.bucket.close()
 
     def _count(self, outcome: str, n: int = 1) -> None:
@@ -347,12 +350,22 @@ class ObjectTier:
     def _download(
         self, stack: contextlib.ExitStack, job: Fetch, ns: str, sha1: str
     ) -> tuple[fsdir.TempFile, Summary] | None:
-        size = self.bucket.size_of(ns, sha1)
-        if size is None or size > self.store.space_bytes:
-            return None  # gone since the listing, or could never fit
-        with self._lock:
-            tmp = stack.enter_context(self.store.incoming(ns, sha1))
-        self.bucket.get_into(ns, sha1, tmp.fd, size)
+        tmp: fsdir.TempFile | None = None
+
+        def target(size: int) -> int | None:
+            nonlocal tmp
+            if size > self.store.space_bytes:
+                return None  # could never fit
+            with self._lock:
+                tmp = stack.enter_context(self.store.incoming(ns, sha1))
+            return tmp.fd
+
+        size = self.bucket.get_into(ns, sha1, target)
+        if size is None or tmp is None:
+            return None  # gone since the listing, or too large
+        # Synced while it is checked (the disk writes, the check reads the page cache),
+        # beside the other downloads: not one file after another in the adoption's turn.
+        synced = self._syncs.submit(os.fsync, tmp.fd)
         fd = os.open(tmp.name, os.O_RDONLY | fsdir.NOFOLLOW, dir_fd=tmp.dir_fd)
         try:
             summary = check_whole(fd, sha1, ns)
@@ -364,6 +377,8 @@ class ObjectTier:
             return None
         finally:
             os.close(fd)
+            concurrent.futures.wait([synced])  # the temp file stays open until it ends
+        synced.result()  # an error syncing: the fetch fails, nothing installed
         with self._lock:
             job.nbytes += size
         return tmp, summary
