@@ -64,13 +64,14 @@ def encode(
     tool_map=(),
     fp: Fingerprint = FP,
     compress: bool = False,
+    layout: PageLayout = LAYOUT,
 ):
     return encode_plan(
         plan,
         text=prompt.text_upto(plan.tokens),
         ids=prompt.ids,
         layers=layers,
-        layout=LAYOUT,
+        layout=layout,
         fingerprint=fp.digest(),
         kv_dtype="float32",
         context_size=8192,

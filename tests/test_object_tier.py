@@ -12,10 +12,9 @@ import uuid
 
 import numpy as np
 import pytest
-from synth import BLOCK, FP, byte_table, make, planner, prompt, prompt_of, save
+from synth import BLOCK, FP, byte_table, encode, make, pages, planner, prompt, prompt_of, save
 from tcpproxy import Proxy
 
-from vllm_kvdisk.core.encode import encode_plan
 from vllm_kvdisk.core.format import PageLayout, Reason
 from vllm_kvdisk.core.keys import Fingerprint
 from vllm_kvdisk.core.objects import ObjectUrl, prefix_names
@@ -318,21 +317,19 @@ def big_file(root):
     ns = store.ensure_namespace(BIG_FP)
     p = prompt(3, n=BIG_TOKENS + 10)
     plan = planner(store).plan_save(ns, p, BIG_TOKENS, Reason.COLD)
-    rng = np.random.default_rng(3)
-    layers = [rng.random((BIG_TOKENS // BLOCK, *BIG.page_shape), dtype=np.float32).tobytes()] * 2
-    enc = encode_plan(
-        plan,
-        text=p.text_upto(plan.tokens),
-        ids=p.ids,
-        layers=layers,
-        layout=BIG,
-        fingerprint=BIG_FP.digest(),
-        kv_dtype="float32",
-        context_size=8192,
-        now=1_000_000,
-    )
-    store.write(ns, plan.sha1, enc)
+    layers = pages(np.random.default_rng(3), plan, BIG)
+    store.write(ns, plan.sha1, encode(plan, p, layers, fp=BIG_FP, layout=BIG))
     return store, ns, p, plan
+
+
+def uploaded_big_file(root, url):
+    """``big_file`` under ``root``, uploaded to ``url`` by a tier that is closed after."""
+    a, ns, p, plan = big_file(root)
+    tier_a = tier_of(a, url)
+    tier_a.saved(ns, plan.sha1)
+    assert tier_a.drain(60) and counts(tier_a) == {"uploaded": 1}
+    tier_a.close()
+    return a, ns, p, plan
 
 
 def spawn(seaweed, endpoint, *args):
@@ -422,11 +419,7 @@ def test_kill_during_a_fetch_leaves_nothing_a_reader_would_use(aws, tmp_path):
     miss), a fetch after the restart installs the whole file, and the next listing of the
     directory past the temp file's grace removes it."""
     url = url_of(aws)
-    a, ns, p, plan = big_file(tmp_path / "a")
-    tier_a = tier_of(a, url)
-    tier_a.saved(ns, plan.sha1)
-    assert tier_a.drain(60) and counts(tier_a) == {"uploaded": 1}
-    tier_a.close()
+    a, ns, p, plan = uploaded_big_file(tmp_path / "a", url)
     b = Store(str(tmp_path / "b" / "cache"), space_bytes=1 << 30)
     assert b.ensure_namespace(BIG_FP) == ns
     names = prefix_names(byte_table(), p.ids, BLOCK, BIG_TOKENS)
@@ -477,10 +470,9 @@ def test_kill_during_a_fetch_leaves_nothing_a_reader_would_use(aws, tmp_path):
     # The fetch changed the directory: its next listing removed the dead writer's file.
     assert restarted.temp_files() == [] and temp not in os.listdir(ns_dir)
     assert verify(restarted).ok
-    assert verify(restarted).ok
 
 
-def answered_by(job, deadline_s):
+def answered_by(job):
     """Seconds until the request waiting on ``job`` goes on (the scheduler's own test)."""
     while not job.settled(time.monotonic()):
         time.sleep(0.02)
@@ -492,11 +484,7 @@ def test_store_slow_is_a_miss_at_the_deadline_then_serves_again(aws, tmp_path, m
     that wait on a 12 MiB object go on at the deadline, however many come, and what the
     slow downloads finish once the store is fast again is installed whole."""
     url = url_of(aws)
-    a, ns, p, plan = big_file(tmp_path / "a")
-    tier_a = tier_of(a, url)
-    tier_a.saved(ns, plan.sha1)
-    assert tier_a.drain(60) and counts(tier_a) == {"uploaded": 1}
-    tier_a.close()
+    a, ns, p, plan = uploaded_big_file(tmp_path / "a", url)
     proxy = Proxy(aws.port)
     proxy.rate = 64 * 1024
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
@@ -510,7 +498,7 @@ def test_store_slow_is_a_miss_at_the_deadline_then_serves_again(aws, tmp_path, m
         for _ in range(3):  # one request after another, while the store stays slow
             job = tier_b.fetch(ns, names, 0, lambda s: b.index.get(ns, s) is not None)
             assert job is not None
-            waited = answered_by(job, deadline_s)
+            waited = answered_by(job)
             assert deadline_s <= waited < deadline_s + 5.0
             assert job.reason.startswith("deadline") and job.installed == []
             jobs.append(job)
@@ -533,11 +521,7 @@ def test_a_fetch_asks_the_store_once_per_range(aws, tmp_path):
     """Per-request overhead: a fetch lists once and makes one ranged GET per 8 MiB of
     each object, its first telling the size (no HEAD before it: a round trip per file)."""
     url = url_of(aws)
-    a, ns, p, plan = big_file(tmp_path / "a")
-    tier_a = tier_of(a, url)
-    tier_a.saved(ns, plan.sha1)
-    assert tier_a.drain(60)
-    tier_a.close()
+    a, ns, p, plan = uploaded_big_file(tmp_path / "a", url)
     b = Store(str(tmp_path / "b" / "cache"), space_bytes=1 << 30)
     b.ensure_namespace(BIG_FP)
     tier_b = tier_of(b, url)

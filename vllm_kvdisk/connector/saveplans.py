@@ -130,11 +130,14 @@ class SavePlanning:
                 continue
             stored: list[list[int]] = []
             if self.blocks.hybrid:
-                held = plan.window_held  # window blocks its parent's chain holds
-                per_group = self.blocks.stored(group_ids, plan.parent_tokens, length, states, held)
-                if not per_group:  # the window before this position is gone already
+                stored = (
+                    self.blocks.stored(
+                        group_ids, plan.parent_tokens, length, states, plan.window_held
+                    )
+                    or []
+                )
+                if not stored:  # the window before this position is gone already
                     continue
-                stored = per_group
                 owned = stored[0]
             if not self.planner.reserve(plan, prompt, int(time.time())):
                 continue
