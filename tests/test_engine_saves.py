@@ -1,5 +1,6 @@
 """Save reasons beyond cold: continued checkpoints during long generations, shutdown."""
 
+import json
 import threading
 import time
 
@@ -35,43 +36,63 @@ def test_continued_checkpoints_during_generation_restore_exactly(tiny_model, tmp
 
 
 def test_sigterm_checkpoints_running_requests_and_the_next_server_resumes(tiny_model, tmp_path):
+    """SIGTERM while a request generates: its tokens are checkpointed (``shutdown``) before
+    the server exits. The signal is sent once the client has received 300 streamed tokens
+    (past the next grid position, 1152) and the request cannot have finished by then (7000
+    tokens asked for); the client holds its stream open until the save is in the trace, so
+    neither the engine's speed nor a client timeout decides what is running at SIGTERM."""
     kv, trace, log = str(tmp_path / "kv"), str(tmp_path / "trace.txt"), str(tmp_path / "log")
     prompt_ids = random_prompt(1000, seed=12)
     server = Server(tiny_model, kv, log, "--trace", trace)
-    done: dict[str, object] = {}
+    past_grid, release = threading.Event(), threading.Event()
+    streamed: dict[str, object] = {"tokens": 0}
 
     def long_request() -> None:
         try:
-            done["reply"] = requests.post(
+            with requests.post(
                 server.url + "/v1/completions",
                 json={
                     "model": tiny_model,
                     "prompt": prompt_ids,
-                    "max_tokens": 3000,
+                    "max_tokens": 7000,
                     "temperature": 0,
                     "ignore_eos": True,
+                    "stream": True,
+                    "return_token_ids": True,
                 },
-                timeout=(5, 10),
-            ).json()
+                stream=True,
+                timeout=(5, OUTCOME_WAIT_S),
+            ) as reply:
+                for line in reply.iter_lines():
+                    if not line.startswith(b"data: {"):
+                        continue
+                    for choice in json.loads(line[len(b"data: ") :])["choices"]:
+                        streamed["tokens"] += len(choice.get("token_ids") or [])
+                    if streamed["tokens"] >= 300:
+                        past_grid.set()
+                    if release.is_set():
+                        break  # closing the stream aborts the request: the drain ends
         except requests.RequestException as exc:
-            # The client gives up mid-generation: a draining server cannot finish 3000
-            # tokens within its shutdown timeout, and an open connection would keep
-            # the HTTP server waiting.
-            done["error"] = exc
+            streamed["error"] = exc
+        finally:
+            past_grid.set()
 
     worker = threading.Thread(target=long_request)
     worker.start()
-    deadline = time.monotonic() + OUTCOME_WAIT_S
-    while (
-        not any(e.reason == "cold" for e in events(trace, "saved")) and time.monotonic() < deadline
-    ):
-        time.sleep(0.2)
-    # SIGTERM only once the request has computed past the next grid position (1152): a
-    # shutdown save is made only where it adds something to the disk.
-    while server.metric("vllm:generation_tokens_total") < 300 and time.monotonic() < deadline + 60:
-        time.sleep(0.2)
-    assert server.stop()["rc"] == 0
-    worker.join(timeout=120)
+    stopped: dict = {}
+    stopping = threading.Thread(target=lambda: stopped.update(server.stop()))
+    try:
+        assert past_grid.wait(OUTCOME_WAIT_S) and streamed["tokens"] >= 300, streamed
+        stopping.start()  # SIGTERM; the server drains while the stream is open
+        wait_events(trace, "saved", where=lambda e: e.reason == "shutdown")
+    finally:
+        release.set()
+        worker.join(timeout=OUTCOME_WAIT_S)
+        if stopping.ident:
+            stopping.join(timeout=OUTCOME_WAIT_S)
+        else:
+            server.stop()
+    assert stopped.get("rc") == 0, stopped
     shutdown = [e for e in events(trace, "saved") if e.reason == "shutdown"]
     assert shutdown, open(trace).read()
     tokens = max(e.tokens for e in shutdown)
