@@ -187,3 +187,54 @@ def test_a_save_whose_victims_never_check_out_evicts_nothing(tmp_path, monkeypat
     assert os.path.exists(store.path(ns, plan_a.sha1))  # nothing evicted unchecked
     assert {e.sha1 for e in store.index.entries()} == {plan_a.sha1}
     assert store.stats.evicted == 0
+
+
+def test_a_close_that_reports_an_error_after_a_read_fails_no_save(tmp_path, monkeypatch):
+    """GlusterFS's FUSE client answered ENOENT to the close of ``namespace.json`` once
+    other processes had replaced it by renames (two replicas starting at once): the read
+    was done, yet the error failed the save that was evicting (it reads the namespace's TP
+    group there), and the same holds for the journal and the headers a listing reads.
+    Every descriptor only read through reports such an error here: saves on two replicas
+    (each following the other's journal lines) and a start that reads every header go on."""
+    import errno
+
+    from vllm_kvdisk.storage import fsdir
+
+    store, ns = make(tmp_path)
+    other = Store(store.root, space_bytes=store.space_bytes)
+    other.scan()
+    rng = np.random.default_rng(0)
+    first, _ = save(store, ns, prompt(1), 48, rng)
+    size = store.index.get(ns, first.sha1).size
+    store.space_bytes = other.space_bytes = int(size * 2.5)
+    real_open, real_close = fsdir.open_regular, os.close
+    read_only: set[int] = set()
+    failed_closes = []
+
+    def open_regular(name, dir_fd=None, **kw):
+        fd = real_open(name, dir_fd, **kw)
+        if kw.get("flags", os.O_RDONLY) == os.O_RDONLY:
+            read_only.add(fd)
+        return fd
+
+    def close(fd):
+        real_close(fd)
+        if fd in read_only:
+            read_only.discard(fd)
+            failed_closes.append(fd)
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory")
+
+    monkeypatch.setattr(fsdir, "open_regular", open_regular)
+    monkeypatch.setattr(os, "close", close)
+    saved = [first.sha1]
+    for i in range(2, 8):
+        plan, _ = save((store, other)[i % 2], ns, prompt(i), 48, rng)
+        saved.append(plan.sha1)
+    fresh = Store(store.root, space_bytes=store.space_bytes)
+    fresh.scan()
+    monkeypatch.undo()
+    assert failed_closes  # the error was injected where reads closed their descriptors
+    on_disk = {e.sha1 for e in fresh.index.entries()}
+    assert on_disk == set(saved[-2:]), "the last saves landed, evicting the oldest"
+    assert store.stats.write_failures == other.stats.write_failures == 0
+    assert verify(fresh).ok

@@ -40,6 +40,7 @@ from vllm_kvdisk.connector.jobs import LoadFile, LoadJob
 from vllm_kvdisk.connector.staging import StagingPool
 from vllm_kvdisk.connector.transfer import PageMover
 from vllm_kvdisk.core.format import FULL_ONLY, FormatError, Group
+from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage.fileread import Meta, read_meta, read_token_range, read_tokens
 from vllm_kvdisk.storage.pageread import (
     pages_cached,
@@ -177,9 +178,9 @@ class Restorer:
                     on_corrupt(out.failed.sha1, str(out.error), out.failed_inode)
         finally:
             for o in opened:
-                os.close(o.fd)
+                fsdir.close_read(o.fd)
             if failed_fd >= 0:
-                os.close(failed_fd)
+                fsdir.close_read(failed_fd)
         return out.failed is None
 
     # -- checks -------------------------------------------------------------------------
@@ -236,7 +237,7 @@ class Restorer:
         except Exception as exc:  # noqa: BLE001
             if isinstance(exc, FormatError):  # kept open until it is quarantined
                 raise OpenFailed(exc, inode, fd) from exc
-            os.close(fd)
+            fsdir.close_read(fd)
             raise OpenFailed(exc, inode) from exc
 
     def _group_layers(

@@ -327,7 +327,7 @@ class Directory:
             except OSError:
                 return None, False
             finally:
-                os.close(fd)
+                fsdir.close_read(fd)
         return parse_namespace_info(raw), True
 
     def rank_groups(self, names: list[str]) -> dict[str, str]:

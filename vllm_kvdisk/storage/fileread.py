@@ -349,7 +349,7 @@ def read_indexable(dir_fd: int, sha1: str) -> tuple[Any, int]:
     try:
         st = os.fstat(fd)
     except OSError as exc:
-        os.close(fd)
+        fsdir.close_read(fd)
         return exc, -1
     try:
         return (read_summary(fd, st.st_size), st.st_size, st.st_ino, st.st_mtime_ns), fd

@@ -14,6 +14,10 @@
   writer's temp file is never touched.
 * The cross-process lock (``ROOT/.lock``) is taken with a timeout: a stuck network file
   system costs one skipped save, never a stalled engine.
+* A descriptor a file was only read through is closed with :func:`close_read`: the
+  bytes were read already, and an error ``close`` reports then is not the read's (a
+  FUSE file system answers the close's flush: GlusterFS's client said ENOENT once another
+  process had replaced ``namespace.json`` by a rename, which failed the save that read it).
 * Cached pages are dropped before a read of what another process wrote (the lock's count,
   the journal's lines, a header's hits) only where another client's writes may not be in
   them: not on a local file system, whose page cache is the one copy every process reads
@@ -44,6 +48,17 @@ TMP_PREFIX = ".tmp-"
 TMP_GRACE_S = 10.0  # a temp file younger than this may be one whose writer has not locked it yet
 PAGE = os.sysconf("SC_PAGE_SIZE")
 IOV_MAX = 1024  # iovecs per preadv/writev call (Linux's limit)
+
+
+def close_read(fd: int) -> None:
+    """Close a descriptor that was only read through; an error the close reports (the
+    file system's flush of a file another process replaced or removed) is not one of the
+    read, which is done. EBADF stays an error: a descriptor closed twice is our bug."""
+    try:
+        os.close(fd)
+    except OSError as exc:
+        if exc.errno == errno.EBADF:
+            raise
 
 
 class NotRegularFile(OSError):
@@ -269,7 +284,7 @@ def writer_gone(dir_fd: int, name: str, now: float | None = None) -> bool:
             pass  # no flock on this file system: the age alone decides
         return True
     finally:
-        os.close(fd)
+        close_read(fd)
 
 
 @contextlib.contextmanager

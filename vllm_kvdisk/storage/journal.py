@@ -201,7 +201,7 @@ class Journal:
                     self._at = ((os.fstat(fd).st_ino, ""), -1)
             return None
         finally:
-            os.close(fd)
+            fsdir.close_read(fd)
 
     def follow(self) -> list[Change] | Loaded | None:
         """What was appended since this store last read: the new change lines; the whole
@@ -216,7 +216,7 @@ class Journal:
         try:
             ident, offset = self._at
             if self._ident(fd) != ident:
-                os.close(fd)
+                fsdir.close_read(fd)
                 fd = -1
                 return self.load()
             if offset < 0:
@@ -232,7 +232,7 @@ class Journal:
             return None
         finally:
             if fd >= 0:
-                os.close(fd)
+                fsdir.close_read(fd)
 
     def skip_to_end(self) -> None:
         """Under the lock, after a listing: every line there is reflected already."""
@@ -246,7 +246,7 @@ class Journal:
         except (OSError, JournalError):
             self._at = None
         finally:
-            os.close(fd)
+            fsdir.close_read(fd)
 
     def _ends(self, fd: int) -> tuple[int, int]:
         """(the offset after the last complete line, the offset of the first zero byte:
@@ -270,7 +270,7 @@ class Journal:
         except (OSError, JournalError):
             return False
         finally:
-            os.close(fd)
+            fsdir.close_read(fd)
 
     # -- writing (under the lock) -----------------------------------------------------
     def append(self, change: Change) -> bool:

@@ -612,7 +612,7 @@ class Scanner:
                 yield name, found
             finally:
                 if fd >= 0:
-                    os.close(fd)
+                    fsdir.close_read(fd)
             if done % 1024 == 0:
                 now = time.monotonic()
                 if now - last >= 10:

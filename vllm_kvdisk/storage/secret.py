@@ -41,7 +41,7 @@ def _read(dir_fd: int) -> bytes | None:
     try:
         raw = os.pread(fd, KEY_BYTES + 1, 0)
     finally:
-        os.close(fd)
+        fsdir.close_read(fd)
     if len(raw) != KEY_BYTES:
         raise BadSaltKey(
             f"{NAME} holds {len(raw)} bytes, not {KEY_BYTES}: restore it, or delete it "
