@@ -68,6 +68,13 @@ def missing() -> str | None:
     return None
 
 
+def brick_dir(base: str) -> str:
+    """The brick of the volume made under ``base``: the server's own copy of every file,
+    on the local disk. What is really on the volume, without either client's caches (a
+    test reads it, nothing writes it)."""
+    return os.path.join(base, "brick", "b")
+
+
 @dataclass
 class Volume:
     base: str
@@ -354,7 +361,7 @@ def volume(
             sock, own = SYSTEM_SOCKET, False
             name = f"{name}-{os.getpid()}"
         vol = Volume(base, name, (os.path.join(base, "a"), os.path.join(base, "b")), sock, own)
-        brick = os.path.join(base, "brick", "b")
+        brick = brick_dir(base)
         try:
             os.makedirs(os.path.dirname(brick), exist_ok=True)
             for point in vol.mounts:
