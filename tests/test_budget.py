@@ -195,9 +195,11 @@ def test_a_close_that_reports_an_error_after_a_read_fails_no_save(tmp_path, monk
     was done, yet the error failed the save that was evicting (it reads the namespace's TP
     group there), and the same holds for the journal and the headers a listing reads.
     Every descriptor only read through reports such an error here: saves on two replicas
-    (each following the other's journal lines) and a start that reads every header go on."""
+    (each following the other's journal lines), a start that reads every header, a
+    lookup's read of stored ids, ``verify`` and ``kvdisk inspect`` go on."""
     import errno
 
+    from vllm_kvdisk.ops.cli import main as kvdisk
     from vllm_kvdisk.storage import fsdir
 
     store, ns = make(tmp_path)
@@ -232,9 +234,15 @@ def test_a_close_that_reports_an_error_after_a_read_fails_no_save(tmp_path, monk
         saved.append(plan.sha1)
     fresh = Store(store.root, space_bytes=store.space_bytes)
     fresh.scan()
+    last = fresh.index.get(ns, saved[-1])
+    ids = fresh.read_ids(last, 0, last.tokens)  # a lookup's read of the stored ids
+    report = verify(fresh)
+    inspected = kvdisk(["inspect", fresh.path(ns, saved[-1])])
     monkeypatch.undo()
     assert failed_closes  # the error was injected where reads closed their descriptors
     on_disk = {e.sha1 for e in fresh.index.entries()}
     assert on_disk == set(saved[-2:]), "the last saves landed, evicting the oldest"
     assert store.stats.write_failures == other.stats.write_failures == 0
-    assert verify(fresh).ok
+    assert ids is not None and len(ids) == last.tokens
+    assert report.ok and report.checked == 2, report.problems
+    assert inspected == 0

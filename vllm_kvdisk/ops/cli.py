@@ -206,7 +206,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UsageError(f"{args.file}: {exc.strerror or exc}") from None
     finally:
-        os.close(fd)
+        fsdir.close_read(fd)
     h, p = meta.header, meta.payload
     store = Store(os.path.dirname(os.path.dirname(path)), space_bytes=1 << 62, readonly=True)
     ns = os.path.basename(os.path.dirname(path))

@@ -219,7 +219,7 @@ class ObjectTier:
             self._failed(ns, sha1, attempt, str(exc))
             return
         finally:
-            os.close(fd)
+            fsdir.close_read(fd)
         self._count("uploaded" if created else "upload_exists")
         with self._lock:
             self._listings.setdefault(ns, Listing(set())).names.add(sha1)

@@ -125,7 +125,7 @@ class Quarantine:
                     if de.name.endswith(".kv") and de.is_file(follow_symlinks=False)
                 )
         finally:
-            os.close(fd)
+            fsdir.close_read(fd)
 
 
 def _delete(dir_fd: int, name: str) -> str | None:

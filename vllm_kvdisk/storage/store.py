@@ -359,7 +359,7 @@ class Store:
             st = os.fstat(fd)
             yield fd, read_meta(fd, st.st_size), st
         finally:
-            os.close(fd)
+            fsdir.close_read(fd)
 
     def read_text(self, ns: str, sha1: str) -> bytes:
         with self.open(ns, sha1) as (fd, meta, _):
@@ -383,7 +383,7 @@ class Store:
                     read_token_range(fd, entry.ids_at, 0, entry.tokens), dtype="<u4"
                 )
             finally:
-                os.close(fd)
+                fsdir.close_read(fd)
         except (OSError, FormatError):
             return None
         with self._mutex:

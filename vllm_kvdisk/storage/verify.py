@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from vllm_kvdisk.core.entry import Entry
 from vllm_kvdisk.core.format import FormatError
+from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage.fileread import (
     check_layers,
     read_meta,
@@ -89,7 +90,7 @@ def check_file(
     except OSError as exc:
         return "unreadable", str(exc)
     finally:
-        os.close(fd)
+        fsdir.close_read(fd)
 
 
 def verify(
@@ -168,7 +169,7 @@ def verify(
 
 def _present(store: Store, ns: str, sha1: str) -> bool:
     try:
-        os.close(store.open_file(ns, sha1))
+        fsdir.close_read(store.open_file(ns, sha1))
     except FileNotFoundError:
         return False
     except OSError:
