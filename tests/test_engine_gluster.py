@@ -223,7 +223,7 @@ def test_two_servers_on_two_mounts_of_one_volume(tiny_model, gluster_mounts, tmp
 
 
 def over_budget(on_volume: dict[str, int], traces: dict[str, str]) -> str:
-    """What is on disk against what each server's trace says it saved and evicted: a file
+    """What is on the volume against what each server's trace says it saved and evicted: a file
     a trace says was evicted but is still there, or one no trace saved, says where the
     budget was lost."""
     lines = []
@@ -232,13 +232,12 @@ def over_budget(on_volume: dict[str, int], traces: dict[str, str]) -> str:
             lines.append(f"{name}: {e.line.strip()[:160]}")
     saved = {e.sha1 for n in ("a", "b") for e in events(traces[n], "saved")}
     evicted = {e.sha1 for n in ("a", "b") for e in events(traces[n], "evicted")}
-    disk = on_volume
     return "\n".join(
         [
-            f"{sum(disk.values())} bytes on the volume, budget {BUDGET_MB << 20}",
-            f"on disk: {sorted((s[:12], n) for s, n in disk.items())}",
-            f"on disk though a trace evicted it: {sorted(s[:12] for s in set(disk) & evicted)}",
-            f"on disk though no trace saved it: {sorted(s[:12] for s in set(disk) - saved)}",
+            f"{sum(on_volume.values())} bytes on the volume, budget {BUDGET_MB << 20}",
+            f"on the volume: {sorted((s[:12], n) for s, n in on_volume.items())}",
+            f"there though a trace evicted it: {sorted(s[:12] for s in set(on_volume) & evicted)}",
+            f"there though no trace saved it: {sorted(s[:12] for s in set(on_volume) - saved)}",
             *lines,
         ]
     )
