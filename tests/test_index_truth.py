@@ -410,3 +410,33 @@ def test_the_background_listing_reads_a_copied_cache_again(tmp_path):
     assert view(b) == truth(a.root)
     b.touch(ns, delta.sha1)
     assert b.index.get(ns, delta.sha1).hits == 1
+
+
+def test_an_orphan_replaced_on_disk_while_judged_stays_known(tmp_path, monkeypatch):
+    """``orphans(remove=True)`` deletes a file only if its name still is the file judged.
+    One replaced meanwhile without the lock (by hand) stays on disk; its index entry used
+    to go all the same, and a view following the journal never listed it again: a file on
+    disk the index lacked for good."""
+    store, ns = make(tmp_path)
+    rng = np.random.default_rng(0)
+    p = prompt(5)
+    root, _ = save(store, ns, p, 48, rng)
+    child, _ = save(store, ns, p, 112, rng)
+    assert child.parent == root.sha1
+    os.unlink(store.path(ns, root.sha1))  # by hand: the child is an orphan
+    real_catch_up = store.scanner.catch_up
+    path = store.path(ns, child.sha1)
+
+    def catch_up() -> None:  # under the lock, before the orphans are judged
+        real_catch_up()
+        shutil.copyfile(path, path + ".copy")
+        os.replace(path + ".copy", path)  # the same bytes on another inode
+
+    monkeypatch.setattr(store.scanner, "catch_up", catch_up)
+    found = store.orphans(remove=True)
+    monkeypatch.undo()
+    assert [e.sha1 for e in found] == [child.sha1]
+    assert os.path.exists(path)  # not the file that was judged: left alone
+    store.refresh(ns)
+    assert store.index.get(ns, child.sha1) is not None, "a file on disk the index lacks"
+    assert [e.sha1 for e in store.orphans()] == [child.sha1]

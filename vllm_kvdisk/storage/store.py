@@ -584,6 +584,8 @@ class Store:
                     if fsdir.identity(st) == (entry.inode, entry.size, entry.mtime_ns):
                         os.unlink(name, dir_fd=state.fd)
                         self.scanner.names_changed(remove=[(entry.ns, entry.sha1, entry.inode)])
+                    else:  # another file under the name now (replaced without the lock):
+                        self.scanner.relist(entry.ns)  # it stays, and is read again
             return found
 
     def remove_file(self, ns: str, sha1: str) -> None:
