@@ -50,7 +50,13 @@ def counts(tier):
     return Counts(tier).seen
 
 
-def tier_of(store, url, timeout_s=5.0, deadline_s=20.0, retry_after_s=(0.05,)):
+# A fetch that must succeed gets a deadline and request timeout far past any slowness of
+# the store (a hang guard, never the verdict: SeaweedFS on a busy CI machine once took
+# over 10 s for 5 MB); the tests of deadlines pass their own short ones.
+HANG_GUARD_S = 300.0
+
+
+def tier_of(store, url, timeout_s=60.0, deadline_s=HANG_GUARD_S, retry_after_s=(0.05,)):
     return ObjectTier(
         store, Bucket(url, timeout_s=timeout_s), deadline_s=deadline_s, retry_after_s=retry_after_s
     )
