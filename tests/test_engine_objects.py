@@ -17,8 +17,8 @@ from vllm_kvdisk.core.objects import ObjectUrl
 from vllm_kvdisk.storage.objectstore import Bucket
 
 # A fetch that must succeed may take as long as the engine tests' hang guard: the store's
-# speed (SeaweedFS on a busy CI machine once took over 10 s, the default deadline, for
-# 5 MB) is never the verdict. Only D tests the deadline, with its own.
+# speed (a TP 2 replica on a 2-CPU CI machine once fetched 5 MB in over 10 s, the
+# default deadline) is never the verdict. Only D tests the deadline, with its own.
 FETCH = {"kv_object_deadline_s": int(OUTCOME_WAIT_S)}
 
 pytestmark = pytest.mark.engine

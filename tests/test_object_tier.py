@@ -51,8 +51,8 @@ def counts(tier):
 
 
 # A fetch that must succeed gets a deadline and request timeout far past any slowness of
-# the store (a hang guard, never the verdict: SeaweedFS on a busy CI machine once took
-# over 10 s for 5 MB); the tests of deadlines pass their own short ones.
+# the store (a hang guard, never the verdict: a TP 2 replica on a 2-CPU CI machine once
+# fetched 5 MB in over 10 s); the tests of deadlines pass their own short ones.
 HANG_GUARD_S = 300.0
 
 
