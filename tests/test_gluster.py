@@ -179,6 +179,30 @@ def test_verify_through_one_mount_while_the_other_saves_and_evicts(replicas):
     assert all(r.ok for r in reports), [r.problems for r in reports if not r.ok]
 
 
+def test_a_file_another_client_deleted_leaves_the_listing_view(replicas):
+    """A deletes a chain through its mount; B's client still answers a stat of the names
+    (and an open, and a read of cached pages) for its attribute timeout. B's listing no
+    longer shows them, but an entry the listing missed was kept when a stat said it was
+    still the same file: a ghost in B's index (``kvdisk verify`` called a ghost whose
+    parent had left an orphan, and its eviction plans counted bytes that were gone).
+    Such an entry is asked of the volume now."""
+    a, b, ns = replicas()
+    rng = np.random.default_rng(0)
+    p = prompt(7)
+    parent, _ = save(a, ns, p, 48, rng)
+    child, _ = save(a, ns, p, 112, rng)
+    b.refresh(ns, force=True)
+    for e in (parent, child):  # B's client caches their attributes and first pages
+        with open(b.path(ns, e.sha1), "rb") as fh:
+            fh.read(4096)
+    a.remove_file(ns, child.sha1)
+    a.remove_file(ns, parent.sha1)
+    b.scanner.reconcile()
+    assert b.index.get(ns, child.sha1) is None, "a file deleted through mount a"
+    assert b.index.get(ns, parent.sha1) is None, "a file deleted through mount a"
+    assert not b.index.orphans()
+
+
 def test_a_namespace_removed_and_made_again_through_the_other_mount_takes_saves(replicas):
     """reset_cache (or kvdisk rm) through one client renames the namespace away and deletes
     it, and that client's next save makes it again. The other client's descriptor of the

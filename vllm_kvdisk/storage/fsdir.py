@@ -459,3 +459,27 @@ def same_file(dir_fd: int, name: str, known: Any) -> bool:
     except FileNotFoundError:
         return False
     return identity(st) == (known.inode, known.size, known.mtime_ns)
+
+
+def still_there(dir_fd: int, name: str, known: Any, *, ask_volume: bool) -> bool:
+    """``same_file``, for a file a listing did not show. ``ask_volume`` (a network file
+    system, ``drops_cache``): a client's stat, open and cached reads may answer for a
+    second after another client deleted the file (GlusterFS's did, all three); a read of
+    its first byte after dropping its cached pages goes to the server, which answers
+    ESTALE for a file that is gone."""
+    if not same_file(dir_fd, name, known):
+        return False
+    if not ask_volume:
+        return True
+    try:
+        fd = open_regular(name, dir_fd)
+    except OSError:
+        return False
+    try:
+        drop_cached(fd, 0, 1)
+        os.pread(fd, 1, 0)
+    except OSError:
+        return False
+    finally:
+        close_read(fd)
+    return True

@@ -560,7 +560,9 @@ class Scanner:
             if (
                 (sha1 in stale or sha1 not in listed)
                 and self.index.get(ns, sha1) is entry
-                and not fsdir.same_file(dir_fd, f"{sha1}.kv", entry)
+                and not fsdir.still_there(
+                    dir_fd, f"{sha1}.kv", entry, ask_volume=self.directory.drops_cache
+                )
             ):
                 self._drop(view, entry, sha1 in listed)
         todo = [
