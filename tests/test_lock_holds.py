@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from synth import FP, prompt, save
 
+from vllm_kvdisk.storage import fsdir
 from vllm_kvdisk.storage.budget import RECHECKS
 from vllm_kvdisk.storage.scan import Scanner
 from vllm_kvdisk.storage.store import Store
@@ -204,3 +205,58 @@ def test_gc_decides_from_a_fresh_listing_made_outside_the_lock(tmp_path, monkeyp
     gone = b.evict(1)
     assert len(gone) == 1 and not os.path.exists(a.path(ns, gone[0].sha1))
     assert listings and all(listings), "the directory was listed under the lock"
+
+
+@pytest.mark.parametrize("how", ["saved", "evicted"])
+def test_a_read_only_verify_finds_no_orphan_a_concurrent_writer_made_up(tmp_path, monkeypatch, how):
+    """A listing is not a snapshot: a replica that saves a parent and its child while the
+    directory is read can leave the parent's name behind the reader and the child's ahead
+    of it ("saved"); one that evicts a child and then its parent can go between their
+    names ("evicted"; a network file system's client may still show the child's
+    attributes for a second after another client deleted it). A read-only ``kvdisk
+    verify`` judged orphans from that listing alone and reported a sound chain as broken
+    (exit 1: a replica's cache called corrupt); it judges them now as every change is
+    made, under the lock, from the listing and the journal's lines since."""
+    a, _, ns = filled(tmp_path, files=2)
+    rng = np.random.default_rng(4)
+    p = prompt(60, vocab=256)
+    if how == "evicted":
+        parent, _ = save(a, ns, p, 32, rng)
+        child, _ = save(a, ns, p, 48, rng)
+        assert child.parent == parent.sha1
+    reader = Store(a.root, space_bytes=1 << 40, readonly=True)
+    reader.scan()
+    real = Scanner._list
+    done: list[bool] = []
+
+    def listing(self, dir_fd):  # the reader's next listing, as a readdir racing a writer
+        if self is not reader.scanner or done:
+            return real(self, dir_fd)
+        done.append(True)
+        if how == "saved":
+            listed = real(self, dir_fd)  # passed the parent's name before it existed
+            root, _ = save(a, ns, p, 32, rng)
+            delta, _ = save(a, ns, p, 48, rng)
+            assert delta.parent == root.sha1
+            listed[delta.sha1] = os.stat(a.path(ns, delta.sha1)).st_ino  # then the child's
+        else:
+            listed = real(self, dir_fd)
+            a.remove_file(ns, child.sha1)  # leaves before parents, each under the lock
+            a.remove_file(ns, parent.sha1)
+            listed.pop(parent.sha1)  # the parent's name came after both were gone
+            cached.add(f"{child.sha1}.kv")
+        return listed
+
+    cached: set[str] = set()
+    real_same = fsdir.same_file
+
+    def same_file(dir_fd, name, entry):  # a client's attribute cache, a second late
+        return name in cached or real_same(dir_fd, name, entry)
+
+    monkeypatch.setattr(Scanner, "_list", listing)
+    monkeypatch.setattr(fsdir, "same_file", same_file)
+    found = reader.orphans()
+    assert done, "the reader did not list"
+    assert found == [], [e.sha1 for e in found]
+    monkeypatch.undo()
+    assert verify(Store(a.root, space_bytes=1 << 40, readonly=True)).ok

@@ -289,14 +289,21 @@ def writer_gone(dir_fd: int, name: str, now: float | None = None) -> bool:
 
 @contextlib.contextmanager
 def locked(
-    dir_fd: int, timeout_s: float, name: str = ".lock", *, drop_cache: bool = True
+    dir_fd: int,
+    timeout_s: float,
+    name: str = ".lock",
+    *,
+    drop_cache: bool = True,
+    readonly: bool = False,
 ) -> Iterator[int]:
     """Hold the exclusive cross-process lock file ``name`` of ``dir_fd``, waiting at most
     ``timeout_s``; LockTimeout otherwise. Each call opens its own descriptor, so threads
     of one process exclude each other too. Yields that descriptor: the lock file's bytes
     are the holder's to read and write (``drop_cache``: read from the volume, see
-    ``drops_cache``)."""
-    fd = open_regular(name, dir_fd, flags=os.O_RDWR | os.O_CREAT)
+    ``drops_cache``). ``readonly``: opened for reading, never created (a ``flock`` needs
+    no write access); FileNotFoundError where there is none."""
+    flags = os.O_RDONLY if readonly else os.O_RDWR | os.O_CREAT
+    fd = open_regular(name, dir_fd, flags=flags)
     try:
         deadline = time.monotonic() + timeout_s
         delay = 0.001

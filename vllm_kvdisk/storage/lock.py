@@ -6,7 +6,8 @@ and the count of those changes in its first 8 bytes.
   opened or locked (a FIFO, a directory, EACCES) is a lock that is never free
   (``LockTimeout``), never an error raised into the engine. It is re-entrant within a thread:
   a refresh under a save's lock may quarantine, which takes it too (a second ``flock`` of
-  our own would wait for ourselves).
+  our own would wait for ourselves). A read-only store (``kvdisk verify``) holds it
+  through a descriptor opened for reading: it writes nothing, not even a new ``.lock``.
 * Checkpoint names change only under the lock (a save's rename, an eviction, gc, a
   quarantine, ``verify --fix``, rm), and each change adds one to the u64 LE count. A store
   whose index was whole at count N and reads N again under the lock knows nothing was
@@ -72,6 +73,7 @@ class DirLock:
                         self.directory.fd,
                         self.timeout_s if timeout_s is None else timeout_s,
                         drop_cache=self.directory.drops_cache,
+                        readonly=self.directory.readonly,
                     )
                 )
             except fsdir.LockTimeout:

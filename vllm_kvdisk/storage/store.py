@@ -557,13 +557,19 @@ class Store:
         with self._mutex:
             self.scanner.forget(ns, sha1)
 
-    def orphans(self, *, remove: bool = False) -> list[Entry]:
-        """Files whose chain is broken, from the directory as it is now (a forced refresh):
-        never from an older view, in which a parent another replica saved since was still
-        missing. ``remove``: delete them, under the lock (no name changes meanwhile), each
-        only if its name still is the file that was judged; the listing runs before the
-        lock is taken, the journal's lines since under it (``Scanner.list_unlocked``)."""
-        if not remove or self.readonly:
+    def orphans(self, *, remove: bool = False, locked: bool = True) -> list[Entry]:
+        """Files whose chain is broken, judged like every change of a name is made: under
+        the lock, from a listing run before it was taken and the journal's lines since
+        (``Scanner.list_unlocked``, then ``catch_up``). A listing alone is no snapshot: a
+        replica that saved a parent and its child while it ran, or evicted a child and
+        then its parent (a network client may show the child a second late), made a sound
+        chain look broken. Never from an older view either, in which a parent another
+        replica saved since was still missing. ``remove``: delete them, under the same
+        hold (no name changes meanwhile), each only if its name still is the file that
+        was judged. A read-only store takes the lock too (a descriptor opened for reading:
+        it writes nothing); LockTimeout if the lock is busy or unusable. ``locked`` False:
+        judged from a forced listing alone, which a concurrent writer may fool."""
+        if not locked:
             with self._mutex:
                 self.scanner.refresh_all(force=True)
                 return self.index.orphans()
@@ -573,6 +579,8 @@ class Store:
         with self.lock.hold(), self._mutex:
             self.scanner.catch_up()
             found = self.index.orphans()
+            if not remove or self.readonly:
+                return found
             for entry in found:
                 self.index.remove(entry.ns, entry.sha1)
                 state = self.directory.namespace(entry.ns)

@@ -3,8 +3,9 @@
 Finds: files that do not parse or whose checksums fail (bad), files whose name is not the
 SHA1 of their text (misnamed), chains whose parent is missing or inconsistent (orphans),
 and temp files whose writer is gone; a file deleted since the scan (another replica's
-eviction) is no problem. Orphans are judged after the checksum pass, from a fresh listing
-(under the lock when fixing). With ``fix`` the bad and misnamed files go to the
+eviction) is no problem. Orphans are judged after the checksum pass, under the
+lock, from a fresh listing and the journal's lines since (a listing alone races a
+replica's saves and evictions). With ``fix`` the bad and misnamed files go to the
 quarantine (their descendants, orphans now, are deleted with them and reported so),
 orphans are deleted (nothing can ever load them) and abandoned temp files removed; a
 live writer's temp file is reported, never touched. Files of another format
@@ -141,17 +142,19 @@ def verify(
     # Judged from the directory as it is after the long pass (a parent may have been saved
     # again meanwhile), and deleted in the same hold of the lock. Deleting an orphan can
     # orphan nothing new: its children are orphans already.
+    unlocked = ""
     try:
         orphans, removed = store.orphans(remove=fix), fix
     except LockTimeout:  # replicas busy: report them, a later --fix deletes them
-        orphans, removed = store.orphans(), False
+        orphans, removed = store.orphans(locked=False), False
+        unlocked = " (judged without the lock, busy or unusable: a writer may have moved it)"
     for entry in orphans:
         report.problems.append(
             Problem(
                 entry.ns,
                 entry.sha1,
                 "orphan",
-                f"parent {entry.parent} missing or inconsistent",
+                f"parent {entry.parent} missing or inconsistent{unlocked}",
                 "deleted" if removed else "",
             )
         )
