@@ -16,8 +16,10 @@ written and fsynced into two directories, then:
   3. restoring the chain into preallocated buffers the way ``restore`` reads (raw: one
      sequential stream when cold, 4 threads when in the page cache; compressed: 4
      threads, a cold file read ahead by the kernel), warm (page cache) and cold (fsync +
-     POSIX_FADV_DONTNEED); ratio compressed / raw (target cold: <= 1.0) beside a raw
-     read of the raw files;
+     POSIX_FADV_DONTNEED), then cold again on this machine's disk throttled to the
+     reference host's disk bandwidth per decoding CPU (``DISK_PER_DECODER`` x the CPUs
+     here; root and a block-I/O cgroup controller, else "not measured"); ratio compressed
+     / raw (target cold: <= 1.0) beside a raw read of the raw files;
   4. decode while saving (unless --skip-decode): engine_bench's batch (4 x 1024-token
      prompts, 256 tokens each, a continued save every 128 tokens) on the wide model, with
      no connector, kvdisk compression off and kvdisk compression zstd, rounds
@@ -28,6 +30,7 @@ Absolute times on this 2-core CPU mean little; the ratios are the result.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import statistics
@@ -39,6 +42,7 @@ import numpy as np
 from common import close, make_llm, model_shape
 from engine_bench import SETTLE_S, raw_reads, timed_generate
 from io_bench import drop_cache
+from throttle import throttled_reads
 
 from vllm_kvdisk.core.encode import encode_checkpoint
 from vllm_kvdisk.storage.fileread import read_meta, read_text, read_tokens, read_tool_map
@@ -46,6 +50,15 @@ from vllm_kvdisk.storage.fsdir import writev_all
 from vllm_kvdisk.storage.pageread import read_ahead, read_layers_into
 
 REPEAT = 5
+# An H200 host's NVMe measured 1.8 GB/s of cold reads (one device, 1-16 threads alike);
+# a worker there restores on its 4 reader threads (--kv-disk-io-threads), each on a core
+# of its own: 0.45 GB/s of disk per decoding CPU. The throttled restore gives each CPU
+# here that much disk, so reading and decoding stand in the proportion they have there.
+DISK_PER_DECODER = 1.8e9 / 4
+# The kernel's throttle lets one slice of its budget (up to 100 ms of reads) through at
+# once after a pause; the throttled restore reads the chain as many times over as makes
+# that burst under 1/10 of what it reads.
+THROTTLE_BURST_S = 0.1
 
 
 def engine_files(model: str, dtype: str, prompt_ids: list[int], work: str) -> list[str]:
@@ -194,25 +207,54 @@ def measure(name: str, files: list[str], work: str) -> None:
     )
     files_of = {c: sorted(os.path.join(dirs[c], f) for f in os.listdir(dirs[c])) for c in dirs}
     bufs = [[bytearray(len(b)) for b in p[4]] for p in parts]
-    for cold in (False, True):
+
+    def restores(cold: bool, what: str, copies: int = 1) -> None:
+        """Restore the chain (``copies`` times over, as one chain of that many copies of
+        its files), compressed and raw, interleaved ``REPEAT`` times."""
+        files = {c: copied(files_of[c], copies) for c in files_of}
+        into = [[bytearray(len(b)) for b in layers] for layers in bufs * (copies - 1)]
+        targets = bufs + into
         t = {c: [] for c in (False, True)}
         raw = []
         for _ in range(REPEAT):
             for c in (False, True):
-                t[c].append(restore_chain(files_of[c], bufs, pool, cold))
+                t[c].append(restore_chain(files[c], targets, pool, cold))
                 if c:  # the decoded pages are the engine's, byte for byte
                     assert all(
-                        bytes(b) == bytes(o) for p, bb in zip(parts, bufs) for b, o in zip(bb, p[4])
+                        bytes(b) == bytes(o)
+                        for bb, p in zip(targets, parts * copies)
+                        for b, o in zip(bb, p[4])
                     )
-            raw.append(raw_reads(files_of[False], pool, cold, 1))
+            raw.append(raw_reads(files[False], pool, cold, 1))
         r, z, rr = (statistics.median(x) for x in (t[False], t[True], raw))
-        what = "cold (dropped from the page cache)" if cold else "warm (page cache)"
         print(
             f"  3. restore {what}: compressed {z * 1e3:.1f} ms vs raw {r * 1e3:.1f} ms -> "
             f"{z / r:.2f}x{' (target <= 1.0)' if cold else ''}; a raw read of the raw files "
-            f"{rr * 1e3:.1f} ms ({raw_pages / 1e9 / z:.2f} GB/s of pages decoded)"
+            f"{rr * 1e3:.1f} ms ({copies * raw_pages / 1e9 / z:.2f} GB/s of pages decoded)"
         )
+
+    restores(False, "warm (page cache)")
+    restores(True, "cold (dropped from the page cache), this machine's disk")
+    bps = int(DISK_PER_DECODER * (os.cpu_count() or 1))
+    copies = max(1, math.ceil(THROTTLE_BURST_S * 10 * bps / raw_pages))
+    with throttled_reads(work, bps) as why:
+        what = f"cold, the disk throttled to {bps / 1e9:.2f} GB/s, the chain {copies}x over"
+        if why:
+            print(f"  3. restore {what}: not measured ({why})")
+        else:
+            restores(True, what, copies)
     pool.shutdown()
+
+
+def copied(files: list[str], copies: int) -> list[str]:
+    """``files`` and ``copies - 1`` copies of them (other inodes: each its own page cache)."""
+    out = list(files)
+    for k in range(1, copies):
+        for f in files:
+            out.append(f"{f}.copy{k}")
+            if not os.path.exists(out[-1]):
+                shutil.copyfile(f, out[-1])
+    return out
 
 
 def decode_while_saving(work: str) -> None:

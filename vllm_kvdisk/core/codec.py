@@ -9,9 +9,10 @@ compress far better than the interleaved bytes (real bf16 KV of SmolLM2: 1.45x a
 1.27x). Each plane is one zstd frame (level 1), or stored raw where zstd saves less than
 1/21 of it (ratio under 1.05: fp8 KV, random data), flagged in its length.
 
-Every chunk carries xxh3-64 of its stored bytes (what is on disk: checked before the
-decoder sees them) and of its decoded bytes (the pages' identity, per chunk, so a partial
-read is proven without decoding the rest of the layer). The chunk table has its own
+Every chunk carries xxh3-64 of its stored bytes (what is on disk: ``kvdisk verify``
+checks it before the decoder sees them) and of its decoded bytes (the pages' identity,
+per chunk, so a partial read is proven without decoding the rest of the layer; a restore
+checks only this one). The chunk table has its own
 xxh3-64 in the packing header.
 
 Why zstandard and our own byte split, not python-blosc2 (its SHUFFLE does the same split,
@@ -290,10 +291,18 @@ def encode_chunk(raw: Buffer, planes: int) -> tuple[Chunk, list[bytes]]:
     return Chunk(stored.intdigest(), xxhash.xxh3_64_intdigest(raw), tuple(lengths)), out
 
 
-def decode_chunk(stored: memoryview, chunk: Chunk, planes: int, out: memoryview) -> None:
+def decode_chunk(
+    stored: memoryview, chunk: Chunk, planes: int, out: memoryview, *, check_stored: bool = True
+) -> None:
     """Decode one chunk's stored bytes into ``out`` (exactly its decoded size) and prove
-    both checksums; FormatError on any mismatch (``out`` then holds garbage)."""
-    if xxhash.xxh3_64_intdigest(stored) != chunk.stored_sum:
+    its checksums; FormatError on any mismatch (``out`` then holds garbage).
+
+    ``check_stored=False`` (a restore) proves only the decoded bytes: they are what the
+    engine uses, and a stored byte that changed either fails to decode or changes them
+    (zstd's decoder is hardened against arbitrary input, and a raw plane is copied as
+    is). It saves hashing the stored bytes: 8.5 of ~100 ms of CPU per 136 MB of bf16
+    pages here. ``kvdisk verify`` proves both."""
+    if check_stored and xxhash.xxh3_64_intdigest(stored) != chunk.stored_sum:
         raise FormatError("checksum mismatch in a compressed chunk")
     dest = np.frombuffer(out, dtype=np.uint8)
     size = dest.size // planes
@@ -374,8 +383,10 @@ class Choice:
 
     Why a CPU count: decoding is what a compressed restore waits for. Measured on a 2-CPU
     VM (benchmarks/compression_bench.py), decoding ran at ~1.2 GB/s of pages on one
-    thread and ~1.8 on two, so restores from the page cache took ~4.5x and cold ones
-    ~1.2x as long as raw ones, for 0.69 of the bytes on bf16. Decoding scales with the
+    thread and ~1.6 on two, so restores from the page cache took ~4.5x and cold ones from
+    the VM's disk (1.5-1.8 GB/s) ~1.15x as long as raw ones, for 0.69 of the bytes on
+    bf16; on the same disk throttled to 0.45 GB/s per CPU (an H200 host's 1.8 GB/s NVMe
+    for a worker's 4 reader threads) cold ones took 0.73-0.82x. Decoding scales with the
     cores that run it (zstd's Huffman decoding is most of it): 2-3 spare cores keep it
     above the 2.6 GB/s of pages that a 1.8 GB/s NVMe read of 0.69-size files delivers,
     where compression makes cold restores faster and leaves the engine its own cores."""

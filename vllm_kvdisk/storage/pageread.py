@@ -15,7 +15,7 @@ the buffers then hold unverified bytes.
 
 Compressed pages (payload version 4) take the same calls: only the chunks that hold a
 used page are read (one ``preadv`` per run of them, up to ``HOT_BYTES``), each proven by
-its stored checksum before it is decoded and by its decoded checksum after, straight into
+its decoded checksum (what the engine uses; verify also checks the stored one), straight into
 its destination where one buffer holds the whole chunk, else through a scratch buffer.
 Pure: standard library, numpy, xxhash and zstandard.
 """
@@ -226,10 +226,16 @@ def _read_packed(fd: int, meta: Meta, layer: int, segments: list[tuple[int, memo
                 and (inside[0][0] + inside[0][1].nbytes >= raw_at + raw_size)
             ):  # one buffer holds the whole chunk: decode straight into it
                 pos, v = inside[0]
-                decode_chunk(piece, packing.chunks[k], packing.planes, v[raw_at - pos :][:raw_size])
+                decode_chunk(
+                    piece,
+                    packing.chunks[k],
+                    packing.planes,
+                    v[raw_at - pos :][:raw_size],
+                    check_stored=False,
+                )
                 continue
             out = _buffer("decoded", raw_size)[:raw_size]
-            decode_chunk(piece, packing.chunks[k], packing.planes, out)
+            decode_chunk(piece, packing.chunks[k], packing.planes, out, check_stored=False)
             for pos, v in inside:
                 lo, hi = max(pos, raw_at), min(pos + v.nbytes, raw_at + raw_size)
                 v[lo - pos : hi - pos] = out[lo - raw_at : hi - raw_at]
