@@ -251,6 +251,36 @@ def test_a_flipped_byte_is_corrupt_never_pages(tmp_path, where):
     os.close(fd)
 
 
+def test_a_restore_proves_the_decoded_bytes_and_verify_the_stored_ones_too(tmp_path):
+    """A restore checks what the engine uses, the decoded chunk, and not the stored
+    bytes' checksum (one hash less per chunk; a changed stored byte is caught by the
+    decoder or the decoded checksum, as the flipped-byte tests show). A table whose
+    stored checksum lies (the table's own checksum made to agree) restores the right
+    pages, and verify still calls the file corrupt."""
+    raw, data, lay = compressed_file(tmp_path)
+    meta = read_meta(write(tmp_path, raw), len(raw))
+    table = meta.offsets.table + PACK_HEADER.size
+    count = len(meta.payload.packing.chunks)
+    bad = bytearray(raw)
+    struct.pack_into(
+        "<Q", bad, table + CHUNK.size * 2, meta.payload.packing.chunks[2].stored_sum ^ 1
+    )
+    struct.pack_into(
+        "<Q",
+        bad,
+        table - 8,
+        xxhash.xxh3_64_intdigest(bytes(bad[table : table + CHUNK.size * count])),
+    )
+    fd = write(tmp_path, bytes(bad), "lying.kv")
+    m = read_meta(fd, len(bad))
+    outs = [memoryview(bytearray(m.offsets.layer_size(i))) for i in range(3)]
+    read_layers_into(fd, m, 0, outs)
+    assert [bytes(o) for o in outs] == data
+    with pytest.raises(FormatError, match="checksum mismatch in a compressed chunk"):
+        check_layers(fd, m)
+    os.close(fd)
+
+
 @settings(
     max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
