@@ -64,8 +64,11 @@ def throttled_reads(path: str, bytes_per_s: int) -> Iterator[str]:
                 (r for r in V2_ROOTS if os.path.exists(os.path.join(r, "cgroup.controllers"))),
                 None,
             )
-            if root is None or "io" not in open(os.path.join(root, "cgroup.controllers")).read():
+            if root is None:
                 raise OSError("no block-I/O cgroup controller")
+            with open(os.path.join(root, "cgroup.controllers")) as f:
+                if "io" not in f.read().split():
+                    raise OSError("no block-I/O cgroup controller")
             home = _own(root, None)
             group = os.path.join(root, f"kvdisk-bench-{os.getpid()}")
             rule, value = "io.max", f"{disk} rbps={bytes_per_s}"
