@@ -165,7 +165,7 @@ def test_a_file_with_other_token_ids_is_a_miss_not_a_quarantine(side):
     assert load(w, [whole(sha1, 0, FILE_BLOCKS * BLOCK)], 0, targets, ids=other) == targets
     assert os.path.exists(w.store.path(ns, sha1))
     assert all(torch.equal(t, old) for t, old in zip(layers, before))  # nothing was read in
-    assert (ns, sha1) in w.build_connector_worker_meta().stale
+    assert [(n, s) for n, s, _ in w.build_connector_worker_meta().stale] == [(ns, sha1)]
 
 
 def test_a_failing_middle_file_keeps_the_blocks_before_it(side):

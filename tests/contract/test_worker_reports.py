@@ -11,7 +11,7 @@ import vllm_api as api
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from workers import BLOCK, make_worker, save_job  # noqa: E402
 
-from vllm_kvdisk.connector.jobs import StepMeta  # noqa: E402
+from vllm_kvdisk.connector.jobs import LoadFile, LoadJob, Scope, StepMeta  # noqa: E402
 
 IDS = np.arange(5_000, 5_000 + 32 * BLOCK, dtype="<u4")
 
@@ -58,5 +58,61 @@ def test_a_file_evicted_and_saved_again_in_one_step_stays_in_the_index(make_engi
         entry = side.store.index.get(ns, sha1)
         assert entry is not None and entry.inode == inode
         assert side.store.index.get(ns, big.plan.sha1) is None  # evicted for it: gone
+    finally:
+        w.shutdown()
+
+
+def test_a_load_that_found_a_file_replaced_leaves_the_new_file_in_the_index(make_engine, tmp_path):
+    """A load planned from a file the worker then evicted and saved again under the same
+    name (a new inode) found it replaced: a stale file, a miss. The step's report said
+    both: the new file written, the old one stale. Stale files were dropped by name, so
+    the new file, on disk and sound, left the scheduler's index (and a KV-event consumer
+    was told it was removed) until a listing found it again."""
+    engine = make_engine(kv_disk_space_mb=1)
+    side = engine.kvdisk
+    torch.manual_seed(0)
+    caches = {f"model.layers.{i}.attn": torch.rand(32, 8, BLOCK, 128) for i in range(2)}
+    w = make_worker(tmp_path, caches, name="kv", kv_disk_space_mb=1, kv_disk_io_threads=1)
+    try:
+        first = save_job(IDS, [1, 2], text=b"x" * 2 * BLOCK)
+        w.wait_for_save(StepMeta(saves=[first]))
+        w.drain()
+        side.update_connector_output(api.kv_output(meta=w.build_connector_worker_meta()))
+        ns, sha1 = first.plan.ns, first.plan.sha1
+        planned = side.store.index.get(ns, sha1)
+        assert planned is not None
+        job = LoadJob(
+            "r",
+            Scope(),
+            [LoadFile(sha1, 0, 2 * BLOCK, 2 * BLOCK, inode=planned.inode)],
+            0,
+            [20, 21],
+            IDS[: 2 * BLOCK].tobytes(),
+            indexed_ns=ns,
+        )
+        held = side.store.open_file(ns, sha1)  # its inode is not handed to the new file
+        try:
+            big = save_job(IDS, [3, 4, 5, 6, 7, 8], text=b"y" * 6 * BLOCK)  # evicts it
+            again = save_job(IDS, [9, 10], text=b"x" * 2 * BLOCK)  # and evicts big
+            w.wait_for_save(StepMeta(saves=[big]))
+            w.drain()
+            w.wait_for_save(StepMeta(saves=[again]))
+            w.drain()
+            assert w.loads.load(job) == [20, 21]  # planned from the old file: stale
+            report = w.build_connector_worker_meta()
+        finally:
+            os.close(held)
+        assert report is not None
+        assert [tuple(e[:2]) for e in report.stale] == [(ns, sha1)]
+        side.update_connector_output(api.kv_output(meta=report))
+        on_disk = side.store.open_file(ns, sha1)
+        try:
+            inode = os.fstat(on_disk).st_ino
+        finally:
+            os.close(on_disk)
+        assert inode != planned.inode
+        entry = side.store.index.get(ns, sha1)
+        assert entry is not None and entry.inode == inode
+        assert w.store.index.get(ns, sha1) is not None  # the worker's own view keeps it too
     finally:
         w.shutdown()

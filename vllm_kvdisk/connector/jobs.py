@@ -89,7 +89,10 @@ class WorkerReport(KVConnectorWorkerMetadata):
     # Evicted or dropped (journaled): (ns, sha1, inode), the file that went, not a name a
     # file saved again in the same step may hold by now.
     removed: list[tuple[str, str, int]] = field(default_factory=list)
-    stale: list[tuple[str, str]] = field(default_factory=list)  # a load found it gone or bad
+    # A load found it gone or bad: (ns, sha1, inode), the file the index described when
+    # the load was planned (0: not known, as on a TP rank's own namespace), not a file
+    # saved under the name since.
+    stale: list[tuple[str, str, int]] = field(default_factory=list)
     failed_loads: list[str] = field(default_factory=list)  # req ids whose load fell short
     loads: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds)
     steps: list[tuple[int, float]] = field(default_factory=list)  # (tokens, forward seconds)

@@ -94,7 +94,8 @@ class Loads:
         self._touch_later(ns, out.used)
         self.stats.add("bytes_read", out.bytes_read)
         if out.failed is not None:
-            self._failed(ns, out.failed.sha1, out.error, len(out.bad_blocks))
+            planned = out.failed.inode if ns == job.indexed_ns else 0
+            self._failed(ns, out.failed.sha1, planned, out.error, len(out.bad_blocks))
             return out.bad_blocks
         self.stats.observe("load_seconds", seconds)
         with self._lock:
@@ -118,15 +119,17 @@ class Loads:
             self.stats.add("quarantined")
             self.trace.quarantined(sha1, why)
 
-    def _failed(self, ns: str, sha1: str, exc: Exception | None, blocks: int) -> None:
+    def _failed(self, ns: str, sha1: str, inode: int, exc: Exception | None, blocks: int) -> None:
         """Recompute from this file on; a corrupt one was quarantined already, a stale or
-        unreadable one only leaves the index (the next refresh may find it again)."""
+        unreadable one only leaves the index (the next refresh may find it again).
+        ``inode``: the file the load was planned from (0: not known); a file saved under
+        the name since stays."""
         self.stats.count("lookups", "load_failed:")
         if not isinstance(exc, FormatError):
             log.warning("kvdisk: load of %s skipped: %s", sha1, exc)
-            self.store.forget(ns, sha1)
+            self.store.forget(ns, sha1, inode or None)
         with self._lock:
-            self._report().stale.append((ns, sha1))
+            self._report().stale.append((ns, sha1, inode))
         self.trace.load_failed(sha1, str(exc), blocks)
 
     def _touch_all(self, ns: str, sha1s: list[str]) -> None:

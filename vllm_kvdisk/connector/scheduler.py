@@ -664,12 +664,15 @@ class SchedulerSide:
                 continue  # saved again since: that file stays, and stays announced
             index.remove(ns, sha1)
             self.events.removed((ns, sha1))
-        for ns, sha1 in report.stale:
+        for ns, sha1, inode in report.stale:
+            known = index.get(ns, sha1)
+            if known is not None and inode and known.inode != inode:
+                continue  # a load planned from the file before it: this one stays
             index.remove(ns, sha1)
             self.events.removed((ns, sha1))
         # A load found these gone or corrupt: maybe deleted by hand, which no journal line
         # says, so the namespace is listed at the next lookup. Evictions are journaled.
-        self._stale.update(ns for ns, _ in report.stale)
+        self._stale.update(ns for ns, _, _ in report.stale)
         for nbytes, seconds in report.loads:
             self.cost.observe_load(nbytes, seconds)
         for tokens, seconds in report.steps:

@@ -551,11 +551,11 @@ class Store:
                 self.stats.quarantined += 1
         return moved is not None
 
-    def forget(self, ns: str, sha1: str) -> None:
+    def forget(self, ns: str, sha1: str, inode: int | None = None) -> None:
         """Drop a file from the index only (stale or unreadable: the next refresh may find
-        it again)."""
+        it again); with ``inode``, only if the index still describes that file."""
         with self._mutex:
-            self.scanner.forget(ns, sha1)
+            self.scanner.forget(ns, sha1, inode)
 
     def orphans(self, *, remove: bool = False, locked: bool = True) -> list[Entry]:
         """Files whose chain is broken, judged like every change of a name is made: under
