@@ -656,18 +656,13 @@ class SchedulerSide:
         if landed_pins:
             self._pin(landed_pins)
         # A report lists what was written and what was removed, not in which order: a
-        # removal takes the file that went (its inode), never a file saved again under
-        # its name in the same step (written above).
-        for ns, sha1, inode in report.removed:
-            known = index.get(ns, sha1)
-            if known is not None and known.inode != inode:
-                continue  # saved again since: that file stays, and stays announced
-            index.remove(ns, sha1)
-            self.events.removed((ns, sha1))
-        for ns, sha1, inode in report.stale:
+        # removal, or a file a load found stale, takes the file that went (its inode; a
+        # stale one's 0 when the load's namespace was not the one indexed: by name),
+        # never a file saved again under its name in the same step (written above).
+        for ns, sha1, inode in [*report.removed, *report.stale]:
             known = index.get(ns, sha1)
             if known is not None and inode and known.inode != inode:
-                continue  # a load planned from the file before it: this one stays
+                continue  # saved again since: that file stays, and stays announced
             index.remove(ns, sha1)
             self.events.removed((ns, sha1))
         # A load found these gone or corrupt: maybe deleted by hand, which no journal line
